@@ -1,0 +1,83 @@
+"""Frozen configuration objects, one per layer; `resolve` helpers return new objects, never mutate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+class ConfigError(ValueError):
+    """A configuration value a user gave is invalid."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family transformer, read from config.json or GGUF metadata."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] | None = None  # dict items, hashable
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, pool size (explicit or from a memory budget), prefix caching."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # derived from kv_cache_memory when None
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool on CPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits of the iteration-level scheduler (vLLM names)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # defaults to the model's context length
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs: which model, its dtype/device, the cache and the scheduler."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def with_scheduler(self, **kwargs) -> "EngineConfig":
+        return replace(self, scheduler=replace(self.scheduler, **kwargs))
+
+    def with_cache(self, **kwargs) -> "EngineConfig":
+        return replace(self, cache=replace(self.cache, **kwargs))

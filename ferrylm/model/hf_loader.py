@@ -1,0 +1,92 @@
+"""Hugging Face model directories: config.json → ModelConfig, safetensors shards → named tensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ferrylm.config import ModelConfig
+from ferrylm.model.model_source import ModelLoadError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_hf_config(directory: Path, name: str) -> ModelConfig:
+    """Read config.json (and generation_config.json for EOS ids) into a ModelConfig."""
+    cfg = _read_json(directory / "config.json")
+    archs = cfg.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        supported = ", ".join(ARCHITECTURES)
+        raise ModelLoadError(f"{directory / 'config.json'}: unsupported architecture {archs} (supported: {supported})")
+    gen_path = directory / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    heads = cfg["num_attention_heads"]
+    scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if arch == "llama" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
+        bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+        eos_token_ids=eos_ids,
+        name=name,
+    )
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [directory / n for n in names]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory}: no *.safetensors weights found")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"{f}: missing (listed in model.safetensors.index.json)")
+    return files
+
+
+def iter_hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor) from every shard, one tensor at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in _shard_files(directory):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({e})") from None

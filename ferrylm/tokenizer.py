@@ -1,0 +1,52 @@
+"""Tokenizer: Hugging Face fast tokenizer from tokenizer.json or GGUF metadata, plus the chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferrylm.model.model_source import ModelLoadError, ModelSource
+
+
+class Tokenizer:
+    """Encodes prompts, renders chat templates, exposes EOS ids; wraps a transformers tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: tuple[int, ...]):
+        self.hf = hf_tokenizer
+        ids = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(hf_tokenizer.eos_token_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(ids))
+
+    @classmethod
+    def load(cls, source: ModelSource, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        try:
+            if source.kind == "gguf":
+                hf = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
+            else:
+                hf = AutoTokenizer.from_pretrained(str(source.path))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{source.path}: could not load the tokenizer ({e})") from None
+        return cls(hf, eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render with the model's own Jinja template and tokenize (no extra BOS: the template has it)."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use the completions API instead")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.hf.encode(text, add_special_tokens=False)
