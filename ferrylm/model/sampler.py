@@ -381,7 +381,8 @@ def _exponential_race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         q.fill_(1.0)  # only greedy rows left, and their result is discarded
     else:
         q.exponential_()
-    pass
+    for row, generator in batch.seeded_rows:
+        q[row].exponential_(generator=generator)
     q.clamp_min_(_MIN_DRAW)
     return weights.div_(q).argmax(dim=-1)
 

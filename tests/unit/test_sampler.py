@@ -102,13 +102,13 @@ def test_all_greedy_with_penalties_is_argmax_of_processed() -> None:
 
 
 VOCAB_SEED = 512
+FAKE_MODEL_TABLE = torch.randn(VOCAB_SEED, VOCAB_SEED, generator=torch.Generator().manual_seed(1234)) * 2
 
 
 def fake_model_logits(states: list[SamplingRequestState]) -> torch.Tensor:
     """Deterministic logits per request: a function of its last token only."""
-    table = torch.randn(VOCAB_SEED, VOCAB_SEED, generator=torch.Generator().manual_seed(1234)) * 2
     last = [(s.output_token_ids or s.prompt_token_ids)[-1] for s in states]
-    return table[last]
+    return FAKE_MODEL_TABLE[last]
 
 
 def run_steps(target: SamplingRequestState, filler_plan: list[list[str]], steps: int) -> list[int]:
@@ -415,6 +415,15 @@ def test_tiny_temperature_is_finite_and_argmax(temperature: float, scale: float)
                     min_p=0.1 if i % 5 == 0 else 0.0) for i in range(32)]
     out = sample(logits, states)
     assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("top_p", [1e-9, 1e-3])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p: float) -> None:
+    # 1 - 1e-9 rounds to 1.0 in float32: the best token must still survive the cumulative cut.
+    torch.manual_seed(16)
+    logits = torch.randn(64, 3000)
+    states = [state(temperature=1.0, top_p=top_p, top_k=None if i % 2 else 100) for i in range(64)]
+    assert torch.equal(sample(logits, states).token_ids, logits.argmax(-1))
 
 
 def test_all_masked_but_one_is_forced() -> None:

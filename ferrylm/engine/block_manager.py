@@ -1,0 +1,198 @@
+"""Paged KV block accounting with automatic prefix caching (no tensors here; ids only).
+
+A full block is identified by a hash chained over its parent's hash and its token ids, so two
+requests sharing a prefix share its blocks. Freed blocks keep their hash and stay findable until
+they are reused: the free queue is in LRU order and eviction happens lazily on allocation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash, token ids of this block)
+
+
+def hash_block_tokens(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    """Chained block hash; deterministic across processes (ints and tuples are not salted)."""
+    return hash((parent_hash, tokens))
+
+
+def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None) -> list[int]:
+    """Hashes of the leading full blocks of `token_ids` (the router uses the same function)."""
+    full = len(token_ids) // block_size if num_blocks is None else num_blocks
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range(full):
+        parent = hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    key: BlockKey | None = None  # set while the block is registered in the prefix cache
+
+    @property
+    def block_hash(self) -> int | None:
+        return None if self.key is None else hash(self.key)
+
+
+class BlockPool:
+    """All blocks, the LRU free queue, and the prefix-cache map from key to block."""
+
+    def __init__(self, num_blocks: int):
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[BlockKey, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n blocks from the LRU end, evicting their cache entries; caller checked num_free."""
+        ids = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.key is not None:
+                del self.cached[block.key]
+                block.key = None
+            block.ref_cnt = 1
+            ids.append(block_id)
+        return ids
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks (removing them from the free queue if unreferenced)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop a reference; unreferenced blocks join the free queue (tail blocks evicted first)."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+
+    def register(self, block_id: int, key: BlockKey) -> None:
+        """Make a full block findable by key (first writer wins; duplicates stay private)."""
+        if key not in self.cached and self.blocks[block_id].key is None:
+            self.cached[key] = block_id
+            self.blocks[block_id].key = key
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self.cached.get(key)
+
+
+class BlockManager:
+    """Per-request block tables over a BlockPool, with prefix-cache lookups and registration."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[str, list[int]] = {}
+        self._hashed: dict[str, list[int]] = {}  # request → hashes of its registered full blocks
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a request (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        found: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            found.append(block_id)
+            parent = hash(key)
+        return found
+
+    # -- mutations -----------------------------------------------------------------------
+    def allocate_slots(self, request_id: str, token_ids: list[int], num_computed: int, num_new: int,
+                       cached_blocks: list[int] | None = None) -> bool:
+        """Grow the table so tokens [0, num_computed + num_new) have slots; False (no change) if full.
+
+        `cached_blocks` (from find_cached_prefix, only at first admission) become the table's head.
+        """
+        cached_blocks = cached_blocks or []
+        table = self.tables.get(request_id, [])
+        needed = self.blocks_needed(num_computed + num_new) - len(table) - len(cached_blocks)
+        evictable_hits = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if needed + evictable_hits > self.pool.num_free:
+            return False
+        self.pool.touch(cached_blocks)
+        table = table + cached_blocks + self.pool.allocate(max(needed, 0))
+        self.tables[request_id] = table
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request_id, token_ids, min(num_computed + num_new, len(token_ids)))
+        return True
+
+    def _register_full_blocks(self, request_id: str, token_ids: list[int], num_tokens: int) -> None:
+        """Register blocks that are full after this step (their K/V is written before any reuse)."""
+        hashes = self._hashed.setdefault(request_id, [])
+        table = self.tables[request_id]
+        for i in range(len(hashes), num_tokens // self.block_size):
+            parent = hashes[-1] if hashes else None
+            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            self.pool.register(table[i], key)
+            hashes.append(hash(key))
+
+    def free(self, request_id: str) -> None:
+        """Return all of a request's blocks (cached ones stay findable until evicted)."""
+        self.pool.release(self.tables.pop(request_id, []))
+        self._hashed.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds."""
+        for key, block_id in list(self.pool.cached.items()):
+            if self.pool.blocks[block_id].ref_cnt == 0:
+                del self.pool.cached[key]
+                self.pool.blocks[block_id].key = None
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the accounting is inconsistent (tests call this after every op)."""
+        refs = [0] * self.num_blocks
+        for request_id, table in self.tables.items():
+            if len(set(table)) != len(table):
+                raise AssertionError(f"request {request_id} holds a block twice: {table}")
+            for b in table:
+                refs[b] += 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != refs[block.block_id]:
+                raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs[block.block_id]} uses")
+            if (block.ref_cnt == 0) != (block.block_id in self.pool.free_queue):
+                raise AssertionError(f"block {block.block_id}: free-queue membership disagrees with ref_cnt")
+            if block.key is not None and self.pool.cached.get(block.key) != block.block_id:
+                raise AssertionError(f"block {block.block_id}: key not mapped back to it")
+        for key, block_id in self.pool.cached.items():
+            if self.pool.blocks[block_id].key != key:
+                raise AssertionError(f"cache entry for block {block_id} has a stale key")

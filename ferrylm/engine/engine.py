@@ -1,0 +1,175 @@
+"""Engine: add_request / abort / step(). One step = schedule → run the model → update → detokenize."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ferrylm.config import EngineConfig
+from ferrylm.detokenizer import IncrementalDetokenizer
+from ferrylm.engine.block_manager import BlockManager
+from ferrylm.engine.request import Request
+from ferrylm.engine.scheduler import RequestRejected, Scheduler
+from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput
+from ferrylm.sampling_params import SamplingParams, SamplingParamsError
+from ferrylm.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics, readiness and admission control."""
+
+    num_waiting: int
+    num_running: int
+    num_waiting_prompt_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found cached
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
+class _Tracked:
+    """Per-request output state kept by the engine (text so far, logprobs)."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+
+
+class Engine:
+    """Synchronous core used by the offline LLM and driven by AsyncEngine's loop thread."""
+
+    def __init__(self, config: EngineConfig, runner, tokenizer: Tokenizer, max_model_len: int):
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len)
+        self.vocab_size = runner.config.vocab_size
+        self._tracked: dict[str, _Tracked] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Engine":
+        """Load the model, tokenizer and KV cache described by `config`."""
+        from ferrylm.model.device import resolve_device, resolve_dtype
+        from ferrylm.model.loader import Checkpoint
+        from ferrylm.model.model_source import resolve_model
+        from ferrylm.model.runner import ModelRunner
+
+        source = resolve_model(config.model)
+        checkpoint = Checkpoint(source)
+        max_model_len = config.scheduler.max_model_len or checkpoint.config.max_position_embeddings
+        device = resolve_device(config.device)
+        runner = ModelRunner(checkpoint, config.cache, resolve_dtype(config.dtype, device), device, max_model_len)
+        tokenizer = Tokenizer.load(source, checkpoint.config.eos_token_ids)
+        return cls(config, runner, tokenizer, max_model_len)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Tokenize (if needed), validate against the model, and queue. Raises RequestRejected."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(prompt_ids, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        request = Request(request_id, prompt_ids, params, max(max_tokens, 1),
+                          arrival_time if arrival_time is not None else time.monotonic(), priority,
+                          self.tokenizer.eos_token_ids)
+        self.scheduler.add_request(request)
+        self.prompt_tokens_total += len(prompt_ids)
+        detok = IncrementalDetokenizer(self.tokenizer.hf, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                       stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detok,
+                                             logprobs=[] if params.logprobs is not None else None)
+        return request
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        for token_id in list(params.logit_bias or {}) + list(params.stop_token_ids):
+            if not 0 <= int(token_id) < self.vocab_size:
+                raise SamplingParamsError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})",
+                                          "logit_bias")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request wherever it is; its KV blocks are freed immediately."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        return self._output(tracked, "", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return outputs of requests that produced a token or finished."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched)
+        updated = self.scheduler.update(sched, result.sampled)
+        now = time.monotonic()
+        outputs = []
+        for req in updated:
+            self.generation_tokens_total += 1
+            tracked = self._tracked[req.request_id]
+            token = req.token_ids[-1]
+            self._record_metrics(req, now)
+            if tracked.logprobs is not None and req.request_id in result.logprobs:
+                entries = result.logprobs[req.request_id].entries
+                tracked.logprobs.append(entries)
+                tracked.cumulative_logprob += entries[token]
+            delta = tracked.detokenizer.add_tokens([token])
+            text = delta.text
+            if delta.stop_reason is not None and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, FinishReason.STOP, delta.stop_reason)
+            elif req.is_finished:
+                text += tracked.detokenizer.flush()
+            outputs.append(self._output(tracked, text, [token]))
+            if req.is_finished:
+                del self._tracked[req.request_id]
+        return outputs
+
+    @staticmethod
+    def _record_metrics(req: Request, now: float) -> None:
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.is_finished:
+            req.metrics.finished_time = now
+
+    def _output(self, tracked: _Tracked, text_delta: str, token_delta: list[int]) -> RequestOutput:
+        req = tracked.request
+        tracked.text += text_delta
+        completion = CompletionOutput(
+            index=0, text=tracked.text, token_ids=req.output_token_ids, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=tracked.logprobs,
+            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
+            text_delta=text_delta, token_ids_delta=token_delta)
+        return RequestOutput(req.request_id, tracked.prompt, req.prompt_token_ids, [completion], req.is_finished,
+                             req.num_cached_tokens, req.metrics)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
+        return EngineStats(s.num_waiting, s.num_running, waiting_tokens, used, self.block_manager.num_blocks,
+                           s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions,
+                           self.prompt_tokens_total, self.generation_tokens_total)

@@ -1,0 +1,112 @@
+"""LLM: vLLM-compatible offline batch generation. It has an Engine and drives it to completion."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
+from ferrylm.engine.engine import Engine
+from ferrylm.outputs import RequestOutput
+from ferrylm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]  # "text" or {"prompt_token_ids": [...]} or {"prompt": "..."}
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Params of the index-th of n samples: n=1, and a distinct seed when the parent is seeded."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def merge_children(children: list[RequestOutput], request_id: str) -> RequestOutput:
+    """Fold n single-sequence outputs into one RequestOutput with outputs[0..n-1]."""
+    outputs = []
+    for i, child in enumerate(children):
+        completion = child.outputs[0]
+        completion.index = i
+        outputs.append(completion)
+    first = children[0]
+    return RequestOutput(request_id, first.prompt, first.prompt_token_ids, outputs,
+                         all(c.finished for c in children), first.num_cached_tokens, first.metrics)
+
+
+class LLM:
+    """`LLM(model="smollm2-135m").generate(prompts, SamplingParams(...))`, like vLLM's."""
+
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30, num_gpu_blocks: int | None = None,
+                 device: str = "cpu", seed: int = 0):
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_gpu_blocks, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len))
+        self.engine = Engine.from_config(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams]
+                 | None = None, use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; results are returned in prompt order."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        inputs = [self._prompt_input(p) for p in prompts]
+        return self._run(inputs, params_list, use_tqdm, priority)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        inputs = [tok.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        params = sampling_params or SamplingParams()
+        return self._run(inputs, [params] * len(inputs), use_tqdm, None)
+
+    def _prompt_input(self, prompt: PromptType) -> str | list[int]:
+        if isinstance(prompt, str):
+            return prompt
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return prompt["prompt"]
+
+    def _run(self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool,
+             priority: list[int] | None) -> list[RequestOutput]:
+        children: dict[str, list[str]] = {}
+        for i, (prompt, p) in enumerate(zip(inputs, params)):
+            rid = str(next(self._ids))
+            children[rid] = [f"{rid}-{j}" for j in range(p.n)]
+            for j, cid in enumerate(children[rid]):
+                self.engine.add_request(cid, prompt, child_params(p, j), priority[i] if priority else 0)
+        finished = self._drain(sum(len(c) for c in children.values()), use_tqdm)
+        return [merge_children([finished[c] for c in cids], rid) for rid, cids in children.items()]
+
+    def _drain(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=total, desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                generated += len(out.outputs[0].token_ids_delta)
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+            bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
+                                refresh=False)
+        bar.close()
+        return finished

@@ -1,0 +1,71 @@
+"""Request: one sequence's state inside the engine (token ids, progress, status, timings)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ferrylm.outputs import FinishReason, RequestMetrics
+from ferrylm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A single sequence (n > 1 is fanned out above the engine into n Requests).
+
+    `token_ids` is prompt followed by output; `num_computed_tokens` of them have K/V in the cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never None inside the engine
+    arrival_time: float
+    priority: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    metrics: RequestMetrics | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float, str]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time, self.request_id)

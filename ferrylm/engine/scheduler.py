@@ -1,0 +1,251 @@
+"""Iteration-level scheduler: one token budget per step shared by decodes, prefill chunks and
+prefix hits; preemption by recompute when KV blocks run out. Pure Python, ids only."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import NamedTuple
+
+from ferrylm.config import SchedulerConfig
+from ferrylm.engine.block_manager import BlockManager
+from ferrylm.engine.request import Request, RequestStatus
+from ferrylm.outputs import FinishReason
+from ferrylm.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long for the context window or the KV pool)."""
+
+
+class NewRequestData(NamedTuple):
+    """Sent to the runner the first time a request is scheduled, so it can set up sampling state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class ScheduledRequest(NamedTuple):
+    request_id: str
+    token_ids: list[int]  # the tokens whose K/V this step computes
+    num_computed_tokens: int  # tokens already in the cache before this step
+    block_ids: list[int]
+    sample: bool  # True when this chunk reaches the end of the known tokens
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledRequest]
+    new_requests: list[NewRequestData]
+    finished_ids: list[str]  # requests the runner can forget (finished since the last step)
+    num_batched_tokens: int
+
+
+class SchedulerStats(NamedTuple):
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    """Waiting queue ordered by (priority, arrival); running queue in the same order."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_to_runner: set[str] = set()
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- admission -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejected if it could never complete."""
+        total = request.num_prompt_tokens + request.max_tokens
+        if request.num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty")
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request needs "
+                f"{total} ({request.num_prompt_tokens} in the prompt + {request.max_tokens} max_tokens)")
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise RequestRejected(
+                f"the request needs {total} tokens of KV cache, more than the whole pool "
+                f"({self.block_manager.num_blocks * self.block_manager.block_size} tokens)")
+        if request.request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self._enqueue_waiting(request)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        keys = [r.sort_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, request.sort_key), request)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        budget, preempted = self._schedule_running(scheduled, budget)
+        new_requests: list[NewRequestData] = []
+        if not preempted:
+            budget = self._schedule_waiting(scheduled, new_requests, budget)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, new_requests, finished, self.config.max_num_batched_tokens - budget)
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[int, bool]:
+        """Advance running requests in priority order, preempting the least important on OOM."""
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req preempted itself: everything after it is gone too
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+        return budget, preempted
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
+                          budget: int) -> int:
+        """Admit waiting requests in order while budget, sequence slots and blocks allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(req.token_ids)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = req.num_tokens - num_cached
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.block_manager.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached):
+                break
+            self.waiting.pop(0)
+            self._admit(req, num_cached)
+            if req.request_id not in self._known_to_runner:
+                self._known_to_runner.add(req.request_id)
+                new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params))
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+        return budget
+
+    def _admit(self, req: Request, num_cached: int) -> None:
+        if req.num_preemptions == 0:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_cached
+            req.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+        keys = [r.sort_key for r in self.running]
+        self.running.insert(bisect.bisect(keys, req.sort_key), req)
+
+    def _allocate(self, req: Request, n: int) -> bool:
+        return self.block_manager.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, n)
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(req.request_id, req.token_ids[start:start + n], start,
+                                self.block_manager.block_table(req.request_id), start + n == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop its KV, requeue it (its arrival time puts it in front)."""
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue_waiting(req)
+
+    # -- results -------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish on EOS / stop ids / length.
+
+        Returns the requests that received a token this step.
+        """
+        updated = []
+        for item in output.scheduled:
+            req = self.requests.get(item.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(item.token_ids)
+            token = sampled.get(item.request_id)
+            if token is None:
+                continue
+            req.token_ids.append(token)
+            updated.append(req)
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self.finish_request(req.request_id, *reason)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> tuple[FinishReason, int | None] | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return FinishReason.STOP, None
+            if token in params.stop_token_ids:
+                return FinishReason.STOP, token
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """Finish (or abort) a request wherever it is; its blocks go back to the pool at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        if request_id in self._known_to_runner:
+            self._known_to_runner.discard(request_id)
+            self._finished_ids.append(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.waiting), len(self.running), self.num_preemptions,
+                              self.prefix_cache_queries, self.prefix_cache_hits)
+
+    def check_invariants(self) -> None:
+        """Queues disjoint and ordered; every running request holds blocks for its computed tokens."""
+        self.block_manager.check_invariants()
+        run_ids = {r.request_id for r in self.running}
+        wait_ids = {r.request_id for r in self.waiting}
+        if run_ids & wait_ids or (run_ids | wait_ids) != set(self.requests):
+            raise AssertionError("running/waiting queues disagree with the request table")
+        for queue in (self.running, self.waiting):
+            if [r.sort_key for r in queue] != sorted(r.sort_key for r in queue):
+                raise AssertionError("queue out of priority order")
+        for req in self.running:
+            have = len(self.block_manager.block_table(req.request_id)) * self.block_manager.block_size
+            if have < req.num_computed_tokens:
+                raise AssertionError(f"{req.request_id}: {req.num_computed_tokens} computed tokens, {have} slots")
+        for req in self.waiting:
+            if self.block_manager.block_table(req.request_id):
+                raise AssertionError(f"{req.request_id}: waiting but holds blocks")

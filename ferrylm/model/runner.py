@@ -1,0 +1,94 @@
+"""ModelRunner: owns the weights, the KV cache tensors and sampling state; turns a SchedulerOutput
+into a ForwardBatch, runs the model and samples the next token for requests that need one."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ferrylm.config import CacheConfig, ModelConfig
+from ferrylm.engine.scheduler import SchedulerOutput
+from ferrylm.model.attention.torch_native import TorchNativeBackend
+from ferrylm.model.forward_batch import ForwardBatch
+from ferrylm.model.llama import KVCache, LlamaForCausalLM
+from ferrylm.model.loader import Checkpoint, load_model
+from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
+
+
+class TokenLogprobs(NamedTuple):
+    """Logprob of the sampled token and the top alternatives, chosen token first."""
+
+    entries: dict[int, float]
+
+
+class RunnerOutput(NamedTuple):
+    sampled: dict[str, int]  # request id → next token
+    logprobs: dict[str, TokenLogprobs]  # only for requests that asked for logprobs
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+
+
+class ModelRunner:
+    """Everything that touches a tensor. Built once; `execute` is called once per engine step."""
+
+    def __init__(self, checkpoint: Checkpoint, cache_config: CacheConfig, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int):
+        self.config: ModelConfig = checkpoint.config
+        self.device, self.dtype = device, dtype
+        self.block_size = cache_config.block_size
+        self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, TorchNativeBackend(), max_model_len)
+        self.num_blocks = cache_config.num_blocks or max(
+            1, cache_config.kv_cache_memory // kv_bytes_per_block(self.config, self.block_size, dtype))
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.sampler = Sampler()
+        self.states: dict[str, SamplingRequestState] = {}
+        self.eos_token_ids = list(self.config.eos_token_ids)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+        shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.config.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        for rid in output.finished_ids:
+            self.states.pop(rid, None)
+        for new in output.new_requests:
+            self.states[new.request_id] = SamplingRequestState(new.sampling_params, new.prompt_token_ids)
+        if not output.scheduled:
+            return RunnerOutput({}, {})
+        rows = [i for i, s in enumerate(output.scheduled) if s.sample]
+        batch = ForwardBatch.build(
+            [s.token_ids for s in output.scheduled], [s.num_computed_tokens for s in output.scheduled],
+            [s.block_ids for s in output.scheduled], self.block_size, rows, self.device)
+        hidden = self.model(batch, self.kv_caches)
+        if not rows:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        return self._sample(logits, [output.scheduled[i].request_id for i in rows])
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> RunnerOutput:
+        states = [self.states[rid] for rid in request_ids]
+        sampling = SamplingBatch.build(states, self.config.vocab_size, self.eos_token_ids, self.device)
+        result = self.sampler(logits, sampling)
+        tokens = result.token_ids.tolist()
+        sampled, logprobs = {}, {}
+        for rid, state, token in zip(request_ids, states, tokens):
+            state.output_token_ids.append(token)
+            sampled[rid] = token
+        if result.logprobs is not None:
+            chosen = result.logprobs.tolist()
+            top_ids, top_vals = result.top_logprob_ids.tolist(), result.top_logprobs.tolist()
+            for i, (rid, state) in enumerate(zip(request_ids, states)):
+                k = state.params.logprobs
+                if k is None:
+                    continue
+                entries = {tokens[i]: chosen[i]}
+                for tid, val in zip(top_ids[i][:k], top_vals[i][:k]):
+                    entries.setdefault(tid, val)
+                logprobs[rid] = TokenLogprobs(entries)
+        return RunnerOutput(sampled, logprobs)

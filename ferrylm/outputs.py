@@ -1,0 +1,65 @@
+"""Results handed back to callers (vLLM-compatible shapes): RequestOutput, CompletionOutput, Usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled sequence. `text`/`token_ids` are cumulative; `*_delta` are what this step added."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}, chosen token first
+    cumulative_logprob: float | None = None
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic) of one request's life, for TTFT / ITL / queue-time metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """State of one request after an engine step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
