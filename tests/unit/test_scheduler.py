@@ -1,0 +1,138 @@
+"""Scheduler with a fake runner (no model): budgets, priorities, preemption, aborts, invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferrylm.config import SchedulerConfig
+from ferrylm.engine.block_manager import BlockManager
+from ferrylm.engine.request import Request
+from ferrylm.engine.scheduler import RequestRejected, Scheduler
+from ferrylm.outputs import FinishReason
+from ferrylm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make(num_blocks=32, budget=16, max_seqs=8, max_len=128, prefix=True):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+                     BlockManager(num_blocks, BS, prefix), max_len)
+
+
+def req(rid, n_prompt=6, max_tokens=4, priority=0, t=0.0, eos=(), first=1):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return Request(rid, list(range(first, first + n_prompt)), params, max_tokens, t, priority, eos)
+
+
+def step(s: Scheduler, token=7):
+    out = s.schedule()
+    sampled = {item.request_id: token for item in out.scheduled if item.sample}
+    s.update(out, sampled)
+    s.check_invariants()
+    return out
+
+
+def test_budget_and_chunked_prefill():
+    s = make(budget=8)
+    s.add_request(req("a", n_prompt=20))
+    out = step(s)
+    assert out.num_batched_tokens == 8 and not out.scheduled[0].sample
+    step(s)
+    out = step(s)  # 4 remaining prompt tokens → sample
+    assert len(out.scheduled[0].token_ids) == 4 and out.scheduled[0].sample
+
+
+def test_decode_and_prefill_share_a_step():
+    s = make(budget=10)
+    s.add_request(req("a", n_prompt=4))
+    step(s)
+    s.add_request(req("b", n_prompt=30, t=1.0))
+    out = step(s)
+    sizes = {i.request_id: len(i.token_ids) for i in out.scheduled}
+    assert sizes == {"a": 1, "b": 9}
+
+
+def test_priority_orders_waiting_queue():
+    s = make(budget=6, max_seqs=1)
+    s.add_request(req("low", priority=5, t=0.0))
+    s.add_request(req("high", priority=0, t=1.0))
+    out = step(s)
+    assert [i.request_id for i in out.scheduled] == ["high"]
+
+
+def test_finish_on_length_and_eos():
+    s = make()
+    s.add_request(req("a", max_tokens=3))
+    s.add_request(req("b", max_tokens=10, eos=(7,)))
+    for _ in range(5):
+        step(s)
+    assert not s.has_unfinished
+    assert s.block_manager.num_free_blocks == 32
+
+
+def test_rejects_requests_that_can_never_fit():
+    s = make(num_blocks=4, max_len=64)
+    with pytest.raises(RequestRejected, match="maximum context length is 64"):
+        s.add_request(req("long", n_prompt=60, max_tokens=10))
+    with pytest.raises(RequestRejected, match="whole pool"):
+        s.add_request(req("big", n_prompt=20, max_tokens=10))
+    assert not s.has_unfinished
+
+
+def test_preempts_lowest_priority_latest_and_requeues_front():
+    s = make(num_blocks=6, budget=64)
+    s.add_request(req("a", n_prompt=7, max_tokens=9, t=0.0))
+    s.add_request(req("b", n_prompt=7, max_tokens=9, t=1.0))
+    s.add_request(req("c", n_prompt=7, max_tokens=9, t=2.0, priority=-1))
+    while s.has_unfinished:
+        step(s)
+    assert s.num_preemptions > 0
+    assert s.block_manager.num_free_blocks == 6
+
+
+def test_abort_frees_blocks_anywhere():
+    s = make(budget=4)
+    s.add_request(req("a", n_prompt=12))
+    s.add_request(req("b", n_prompt=12, t=1.0))
+    step(s)
+    s.finish_request("a", FinishReason.ABORT)
+    s.finish_request("b", FinishReason.ABORT)
+    s.check_invariants()
+    assert s.block_manager.num_free_blocks == 32 and not s.has_unfinished
+    assert step(s).scheduled == []
+
+
+actions = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 9),
+                             st.integers(1, 30), st.integers(1, 12), st.integers(-1, 2)), max_size=80)
+
+
+@settings(max_examples=120, deadline=None)
+@given(actions, st.integers(8, 40), st.booleans())
+def test_random_add_step_abort_sequences(ops, num_blocks, prefix):
+    s = make(num_blocks=num_blocks, budget=12, max_seqs=4, prefix=prefix)
+    rng = random.Random(0)
+    ids = 0
+    for action, pick, n_prompt, max_tokens, priority in ops:
+        if action == "add":
+            try:
+                s.add_request(req(f"r{ids}", n_prompt, max_tokens, priority, float(ids), eos=(3,),
+                                  first=pick % 3))
+            except RequestRejected:
+                pass
+            ids += 1
+        elif action == "abort" and s.requests:
+            s.finish_request(sorted(s.requests)[pick % len(s.requests)], FinishReason.ABORT)
+        else:
+            out = s.schedule()
+            s.update(out, {i.request_id: rng.randrange(2, 20) for i in out.scheduled if i.sample})
+        s.check_invariants()
+    for _ in range(2000):  # everything left must drain: no request is stuck forever
+        if not s.has_unfinished:
+            break
+        step(s, token=9)
+    assert not s.has_unfinished
+    assert s.block_manager.num_free_blocks == num_blocks
