@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -57,6 +58,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model; the first is reported (default: --model)")
+    p.add_argument("--api-key", default=os.environ.get("FERRYLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (env FERRYLM_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--ready-timeout", type=float, default=5.0, help="seconds /ready's one-token probe may take")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="/health fails when the engine loop has been silent this long")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the OpenAI-compatible HTTP server until SIGTERM (drained) or SIGINT."""
+    from ferrylm.engine.engine import Engine
+    from ferrylm.server.config import ServerConfig
+    from ferrylm.server.launcher import run_server
+
+    engine_config = engine_config_from_args(args)
+    config = ServerConfig(
+        served_model_names=tuple(args.served_model_name or [args.model]), host=args.host, port=args.port,
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
+        ready_timeout_s=args.ready_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+        test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level)
+    return run_server(config, lambda: Engine.from_config(engine_config))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrylm", description="FerryLM: self-hosted LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap the prompt in the model's chat template (default on)")
     gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_engine_args(serve)
+    _add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

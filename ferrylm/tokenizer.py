@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
 
 from ferrylm.model.model_source import ModelLoadError, ModelSource
+
+
+def _cache_dir(source: ModelSource) -> Path:
+    """Where a GGUF's converted tokenizer is kept: converting the GGUF vocab takes seconds, loading
+    the saved tokenizer.json a fraction of one. Keyed by path, size and mtime."""
+    stat = source.path.stat()
+    key = hashlib.sha256(f"{source.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("FERRYLM_CACHE_DIR", Path.home() / ".cache" / "ferrylm"))
+    return root / "tokenizers" / key
 
 
 class Tokenizer:
@@ -22,13 +34,29 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         try:
-            if source.kind == "gguf":
-                hf = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
-            else:
-                hf = AutoTokenizer.from_pretrained(str(source.path))
+            hf = cls._load_gguf(source) if source.kind == "gguf" else AutoTokenizer.from_pretrained(str(source.path))
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{source.path}: could not load the tokenizer ({e})") from None
         return cls(hf, eos_token_ids)
+
+    @staticmethod
+    def _load_gguf(source: ModelSource) -> Any:
+        from transformers import AutoTokenizer
+
+        cache = _cache_dir(source)
+        if (cache / "tokenizer.json").is_file():
+            try:
+                return AutoTokenizer.from_pretrained(str(cache))
+            except (OSError, ValueError):
+                pass  # a damaged cache entry: rebuild it below
+        hf = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
+        try:
+            tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+            hf.save_pretrained(str(tmp))
+            os.replace(tmp, cache) if not cache.exists() else None
+        except OSError:
+            pass  # read-only home: just convert every time
+        return hf
 
     @property
     def vocab_size(self) -> int:

@@ -89,7 +89,7 @@ def test_preemption_keeps_outputs_identical(llm_fp32, prompts16, reference16):
 
 def test_prefix_cache_hits_give_same_output(llm_fp32):
     tok = llm_fp32.get_tokenizer()
-    system = LONG_CONTEXT * 2
+    system = LONG_CONTEXT * 3
     questions = ["What did Gutenberg invent?", "Where was Gutenberg from?", "How fast did presses spread?",
                  "What changed with literacy?"]
     convs = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
@@ -115,7 +115,7 @@ def test_prefix_cache_hits_give_same_output(llm_fp32):
 
 def test_shared_prefix_prefills_only_tail(llm_fp32):
     tok = llm_fp32.get_tokenizer()
-    prefix = tok.encode(LONG_CONTEXT * 2, add_special_tokens=False)
+    prefix = tok.encode(LONG_CONTEXT * 3, add_special_tokens=False)
     assert len(prefix) >= 256
     engine = engine_like(llm_fp32, max_num_batched_tokens=2048)
     engine.add_request("a", prefix + tok.encode(" First question?"), GREEDY)

@@ -49,7 +49,7 @@ class TorchNativeBackend:
         for b, n in enumerate(batch.query_lens_list):
             if n > 1:
                 s = starts[b]
-                out[s:s + n] = self._prefill(q[s:s + n], k_cache, v_cache, batch.block_tables[b],
+                out[s:s + n] = self.prefill(q[s:s + n], k_cache, v_cache, batch.block_tables[b],
                                              batch.seq_lens_list[b], scale)
         return out
 
@@ -73,7 +73,7 @@ class TorchNativeBackend:
         o = _attend(qb, keys, values, mask, scale)  # [B, Hkv, G, D]
         out.index_copy_(0, token_idx, o.reshape(len(rows), -1, head_dim).to(out.dtype))
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                  seq_len: int, scale: float) -> torch.Tensor:
         """Causal attention of a chunk of n queries that sit at the end of a seq_len-token sequence."""
         n, num_heads, head_dim = q.shape

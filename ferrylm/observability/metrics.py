@@ -1,0 +1,127 @@
+"""Prometheus metrics under vLLM's names with a `ferrylm:` prefix, in a registry owned by one app.
+
+Latency histograms are observed as outputs reach the server (what a client sees); engine gauges
+and counters are read from `EngineStats` at scrape time by a collector, so they can never drift.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ferrylm.engine.engine import EngineStats
+from ferrylm.outputs import FinishReason, RequestOutput
+
+PREFIX = "ferrylm:"
+# vLLM's buckets, so dashboards built for it read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+StatsSource = Callable[[], EngineStats | None]
+
+
+class EngineStatsCollector(Collector):
+    """Turns the engine's latest stats snapshot into gauges and counters on every scrape."""
+
+    def __init__(self, model_name: str, stats: StatsSource):
+        self._model_name = model_name
+        self._stats = stats
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._stats())
+
+    def _families(self, s: EngineStats | None) -> list[Metric]:
+        gauges = [("num_requests_running", "Requests in the running batch.", s and s.num_running),
+                  ("num_requests_waiting", "Requests waiting to be scheduled.", s and s.num_waiting),
+                  ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                   s and s.kv_cache_usage)]
+        counters = [("prompt_tokens", "Prompt tokens admitted.", s and s.prompt_tokens_total),
+                    ("generation_tokens", "Tokens generated.", s and s.generation_tokens_total),
+                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     s and s.prefix_cache_queries),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s and s.prefix_cache_hits),
+                    ("num_preemptions", "Requests preempted to free KV blocks.", s and s.num_preemptions)]
+        families: list[Metric] = []
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(value or 0))
+            families.append(family)
+        for name, doc, value in counters:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(value or 0))
+            families.append(family)
+        return families
+
+
+class ServerMetrics:
+    """All of one server's metrics; `registry` is private to it (tests run several apps per process)."""
+
+    def __init__(self, model_name: str, stats: StatsSource):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens.", labels,
+                             buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to finish.", labels,
+                             buckets=REQUEST_BUCKETS, registry=self.registry).labels(model_name)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    labels, buckets=REQUEST_BUCKETS, registry=self.registry).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.registry.register(EngineStatsCollector(model_name, stats))
+
+    def count_finished(self, reason: FinishReason) -> None:
+        self._success.labels(self.model_name, reason.value).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class SequenceTimer:
+    """Latency bookkeeping for one engine request (one of a response's n sequences)."""
+
+    def __init__(self, metrics: ServerMetrics, start: float):
+        self._metrics = metrics
+        self._start = start
+        self._last_token: float | None = None
+        self.done = False
+
+    def on_output(self, out: RequestOutput, now: float | None = None) -> None:
+        """Observe TTFT on the first token, ITL on the rest, and e2e/queue time at the finish."""
+        now = time.monotonic() if now is None else now
+        new_tokens = len(out.outputs[0].token_ids_delta)
+        if new_tokens:
+            if self._last_token is None:
+                self._metrics.ttft.observe(now - self._start)
+            else:
+                gap = (now - self._last_token) / new_tokens
+                for _ in range(new_tokens):
+                    self._metrics.itl.observe(gap)
+            self._last_token = now
+        if out.finished:
+            self._finish(out.outputs[0].finish_reason or FinishReason.STOP, now)
+            m = out.metrics
+            if m is not None and m.first_scheduled_time is not None:
+                self._metrics.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+
+    def on_abort(self, now: float | None = None) -> None:
+        if not self.done:
+            self._finish(FinishReason.ABORT, time.monotonic() if now is None else now)
+
+    def _finish(self, reason: FinishReason, now: float) -> None:
+        self.done = True
+        self._metrics.e2e.observe(now - self._start)
+        self._metrics.count_finished(reason)

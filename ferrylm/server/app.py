@@ -1,0 +1,174 @@
+"""The FastAPI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/models), health,
+readiness and metrics, wired to one ServerState. Handlers stay thin: inputs.py validates,
+fanout.py runs the engine requests, serving.py shapes the answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ferrylm.engine.async_engine import AsyncEngine, EngineDeadError
+from ferrylm.engine.engine import Engine
+from ferrylm.engine.scheduler import RequestRejected
+from ferrylm.observability.metrics import SequenceTimer
+from ferrylm.sampling_params import SamplingParams, SamplingParamsError
+from ferrylm.server import inputs, serving
+from ferrylm.server.auth import require_api_key
+from ferrylm.server.body import read_json_body
+from ferrylm.server.config import ServerConfig
+from ferrylm.server.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
+from ferrylm.server.errors import APIError, install_error_handlers, invalid, parse_model
+from ferrylm.server.fanout import Fanout
+from ferrylm.server.health import liveness
+from ferrylm.server.middleware import RequestIdMiddleware, new_request_id
+from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest
+from ferrylm.server.serving import ResponseContext
+from ferrylm.server.state import ServerState
+
+log = logging.getLogger("ferrylm.server")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.ferry
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    """The client's X-Request-Id if sent, else a fresh one; it is the response id and the header."""
+    rid = request.state.request_id or new_request_id(prefix)
+    request.state.request_id = rid
+    return rid
+
+
+async def _start(state: ServerState, engine: AsyncEngine, ctx: ResponseContext, prompts: list[list[int]],
+                 params: SamplingParams, req: SamplingRequest) -> Fanout:
+    log.info("request", extra={"request_id": ctx.request_id, "model": ctx.model, "n": params.n,
+                               "prompt_tokens": [len(p) for p in prompts], "max_tokens": params.max_tokens,
+                               "stream": bool(req.stream), "user": req.user})
+    fanout = Fanout(engine, ctx.request_id, prompts, params, req.priority or 0,
+                    observer_factory=lambda: SequenceTimer(state.metrics, ctx.start), registry=state.drain)
+    try:
+        await fanout.start()
+    except (RequestRejected, SamplingParamsError) as e:
+        raise invalid(str(e), getattr(e, "param", None)) from None
+    except EngineDeadError:
+        raise APIError(503, "The engine stopped; retry on another replica.", code="engine_dead") from None
+    return fanout
+
+
+async def _respond(request: Request, ctx: ResponseContext, fanout: Fanout, stream: bool,
+                   streamer: Callable, shaper: Callable) -> Response:
+    """SSE for stream=true; otherwise run to the end (aborting if the client leaves) and shape JSON."""
+    if stream:
+        return SSEResponse(streamer(ctx, fanout), headers=SSE_HEADERS)
+    try:
+        finals = await cancel_on_disconnect(request, serving.collect(fanout))
+    except ClientDisconnected:
+        log.info("client disconnected; request aborted", extra={"request_id": ctx.request_id})
+        return Response(status_code=499)
+    except EngineDeadError:
+        raise APIError(503, "The engine stopped; retry on another replica.", code="engine_dead") from None
+    return JSONResponse(shaper(ctx, fanout, finals).model_dump())
+
+
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    engine = state.admit()
+    req = parse_model(ChatCompletionRequest, await read_json_body(request, state.config.max_body_bytes))
+    ctx_id = _request_id(request, "chatcmpl")
+    model = state.resolve_model(req.model)
+    core = engine.engine
+    prompt = inputs.chat_prompt_ids(core.tokenizer, req)
+    params = inputs.chat_params(req, core.vocab_size)
+    inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "messages")
+    ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
+                          bool(req.stream_options and req.stream_options.include_usage))
+    fanout = await _start(state, engine, ctx, [prompt], params, req)
+    return await _respond(request, ctx, fanout, bool(req.stream), serving.stream_chat, serving.chat_response)
+
+
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    engine = state.admit()
+    req = parse_model(CompletionRequest, await read_json_body(request, state.config.max_body_bytes))
+    ctx_id = _request_id(request, "cmpl")
+    model = state.resolve_model(req.model)
+    core = engine.engine
+    prompts = inputs.completion_prompt_ids(core.tokenizer, req, core.vocab_size)
+    params = inputs.completion_params(req, core.vocab_size)
+    for prompt in prompts:
+        inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "prompt")
+    echo = [core.tokenizer.decode(p, skip_special_tokens=False) if not isinstance(req.prompt, str) else req.prompt
+            for p in prompts] if req.echo else None
+    ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
+                          bool(req.stream_options and req.stream_options.include_usage), echo)
+    fanout = await _start(state, engine, ctx, prompts, params, req)
+    return await _respond(request, ctx, fanout, bool(req.stream), serving.stream_completion,
+                          serving.completion_response)
+
+
+async def list_models(request: Request) -> ModelList:
+    state = _state(request)
+    core = state.engine.engine if state.engine is not None else None
+    max_len = core.max_model_len if core is not None else None
+    root = core.config.model if core is not None else None
+    return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_len)
+                           for name in state.config.served_model_names])
+
+
+async def health(request: Request) -> JSONResponse:
+    verdict = liveness(_state(request).engine, _state(request).config.heartbeat_timeout_s)
+    return JSONResponse({"status": verdict.reason}, status_code=200 if verdict.ok else 503)
+
+
+async def ready(request: Request) -> JSONResponse:
+    state = _state(request)
+    verdict = liveness(state.engine, state.config.heartbeat_timeout_s)
+    if state.drain.draining:
+        reason = "draining"
+    elif state.load_error is not None:
+        reason = f"load failed: {state.load_error}"
+    elif not state.ready or state.probe is None:
+        reason = "loading"
+    elif not verdict.ok:
+        reason = verdict.reason
+    else:
+        verdict = await state.probe.check()
+        reason = verdict.reason if not verdict.ok else "ok"
+    return JSONResponse({"status": reason}, status_code=200 if reason == "ok" else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def debug_stall(request: Request, seconds: float) -> dict:
+    """Test hook (FERRYLM_TEST_HOOKS=1 only): wedge the engine loop for `seconds`."""
+    engine = _state(request).engine
+    if engine is None:
+        raise APIError(503, "The model is still loading.", code="model_loading")
+    engine.stall_for(seconds)
+    return {"stalled_for": seconds}
+
+
+def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> FastAPI:
+    """An app serving one model; the engine is built by `engine_factory` in the background at startup."""
+    state = ServerState(config, engine_factory)
+    app = FastAPI(title="FerryLM", version="0.1.0", lifespan=state.lifespan)
+    app.state.ferry = state
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    v1.add_api_route("/chat/completions", chat_completions, methods=["POST"])
+    v1.add_api_route("/completions", completions, methods=["POST"])
+    v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
+    app.include_router(v1)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    if config.test_hooks:
+        app.add_api_route("/debug/stall", debug_stall, methods=["POST"])
+    return app

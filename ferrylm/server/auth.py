@@ -1,0 +1,19 @@
+"""API-key check for /v1 routes (`--api-key`): a Bearer token compared in constant time."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import Request
+
+from ferrylm.server.errors import APIError
+
+
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency: 401 unless `Authorization: Bearer <key>` matches the configured key."""
+    expected = request.app.state.ferry.config.api_key
+    if expected is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key", type_="invalid_request_error")

@@ -1,0 +1,36 @@
+"""ServerConfig: how the HTTP front end listens, authenticates, bounds requests and shuts down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ferrylm.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of the OpenAI-compatible server (the engine's live in EngineConfig)."""
+
+    served_model_names: tuple[str, ...] = ("smollm2-135m",)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20  # larger bodies get 413 before they are parsed
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    ready_timeout_s: float = 5.0  # /ready: how long the one-token probe may take
+    heartbeat_timeout_s: float = 30.0  # /health: an engine loop silent for longer is wedged
+    test_hooks: bool = False  # expose /debug/* (env FERRYLM_TEST_HOOKS=1); never in production
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ConfigError("at least one served model name is needed")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be at least 1024")
+        if min(self.drain_timeout_s, self.ready_timeout_s, self.heartbeat_timeout_s) <= 0:
+            raise ConfigError("timeouts must be positive")
+
+    @property
+    def model_name(self) -> str:
+        """The name responses and metrics report (the first served name, as vLLM does)."""
+        return self.served_model_names[0]

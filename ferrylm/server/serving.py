@@ -1,0 +1,208 @@
+"""RequestOutput → OpenAI JSON responses and SSE chunks, for chat completions and completions.
+
+Streams flush one event per engine step (never buffered): the role chunk first (chat), content
+deltas, each choice's finish_reason, the usage chunk when asked, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from ferrylm.engine.async_engine import EngineDeadError
+from ferrylm.outputs import FinishReason, RequestOutput
+from ferrylm.server.errors import APIError
+from ferrylm.server.fanout import Fanout
+from ferrylm.server.logprobs import chat_logprobs, completion_logprobs
+from ferrylm.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                     ChatStreamChoice, CompletionChoice, CompletionResponse, DeltaMessage,
+                                     UsageInfo)
+from ferrylm.tokenizer import Tokenizer
+
+log = logging.getLogger("ferrylm.server")
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ResponseContext:
+    """What every response and chunk of one request shares."""
+
+    request_id: str
+    model: str
+    tokenizer: Tokenizer
+    top_logprobs: int | None = None  # None: no logprobs asked
+    include_usage: bool = False
+    echo: list[str] | None = None  # completions with echo: each prompt's text
+    created: int = field(default_factory=lambda: int(time.time()))
+    start: float = field(default_factory=time.monotonic)
+
+
+def sse(event: BaseModel | dict) -> str:
+    body = event.model_dump_json() if isinstance(event, BaseModel) else json.dumps(event)
+    return f"data: {body}\n\n"
+
+
+def usage(fanout: Fanout, finals: list[RequestOutput]) -> UsageInfo:
+    """Prompt tokens count once per prompt (not per sample), as OpenAI bills them."""
+    prompt = sum(len(p) for p in fanout.prompts)
+    completion = sum(len(out.outputs[0].token_ids) for out in finals)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _reason(out: RequestOutput) -> str | None:
+    reason = out.outputs[0].finish_reason
+    return reason.value if isinstance(reason, FinishReason) else reason
+
+
+def _log_finished(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput], stream: bool) -> None:
+    u = usage(fanout, finals)
+    log.info("request finished", extra={
+        "request_id": ctx.request_id, "stream": stream, "finish_reasons": [_reason(f) for f in finals],
+        "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+        "seconds": round(time.monotonic() - ctx.start, 4)})
+
+
+async def collect(fanout: Fanout) -> list[RequestOutput]:
+    """Run a non-streaming request to the end; the final output of every choice, in index order."""
+    try:
+        async for _ in fanout:
+            pass
+    finally:
+        await fanout.aclose()
+    return [fanout.last[i] for i in range(fanout.num_choices)]
+
+
+def _new_tokens(out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
+    """This step's token ids and their logprobs (the engine's logprobs list is cumulative)."""
+    c = out.outputs[0]
+    start = len(c.token_ids) - len(c.token_ids_delta)
+    return c.token_ids[start:], (c.logprobs or [])[start:len(c.token_ids)]
+
+
+# -- chat ------------------------------------------------------------------------------------
+def chat_response(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput]) -> ChatCompletionResponse:
+    choices = []
+    for i, out in enumerate(finals):
+        c = out.outputs[0]
+        lp = None
+        if ctx.top_logprobs is not None and c.logprobs is not None:
+            lp = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, ctx.top_logprobs)
+        choices.append(ChatChoice(index=i, message=AssistantMessage(content=c.text), logprobs=lp,
+                                  finish_reason=_reason(out)))
+    _log_finished(ctx, fanout, finals, stream=False)
+    return ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
+                                  usage=usage(fanout, finals))
+
+
+def _chat_chunk(ctx: ResponseContext, choice: ChatStreamChoice) -> str:
+    return sse(ChatCompletionChunk(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]))
+
+
+def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput) -> list[str]:
+    c = out.outputs[0]
+    events = []
+    if c.text_delta or (ctx.top_logprobs is not None and c.token_ids_delta):
+        lp = None
+        if ctx.top_logprobs is not None:
+            lp = chat_logprobs(ctx.tokenizer, *_new_tokens(out), ctx.top_logprobs)
+        events.append(_chat_chunk(ctx, ChatStreamChoice(index=index, delta=DeltaMessage(content=c.text_delta),
+                                                        logprobs=lp)))
+    if out.finished:
+        events.append(_chat_chunk(ctx, ChatStreamChoice(index=index, delta=DeltaMessage(),
+                                                        finish_reason=_reason(out))))
+    return events
+
+
+async def stream_chat(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+    """`chat.completion.chunk` events for a started Fanout; closes it however the stream ends."""
+    try:
+        for i in range(fanout.num_choices):
+            yield _chat_chunk(ctx, ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        async for index, out in fanout:
+            for event in _chat_deltas(ctx, index, out):
+                yield event
+        finals = [fanout.last[i] for i in range(fanout.num_choices)]
+        if ctx.include_usage:
+            yield sse(ChatCompletionChunk(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[],
+                                          usage=usage(fanout, finals)))
+        _log_finished(ctx, fanout, finals, stream=True)
+    except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band like OpenAI
+        yield _stream_error(ctx, e)
+    finally:
+        await fanout.aclose()
+    yield DONE
+
+
+def _stream_error(ctx: ResponseContext, exc: Exception) -> str:
+    log.error("stream failed", exc_info=exc, extra={"request_id": ctx.request_id})
+    if isinstance(exc, EngineDeadError):
+        err = APIError(503, "The engine stopped; retry on another replica.", code="engine_dead")
+    else:
+        err = exc if isinstance(exc, APIError) else APIError(500, f"The stream failed: {exc}")
+    return sse(err.body())
+
+
+# -- completions -----------------------------------------------------------------------------
+def _echo(ctx: ResponseContext, fanout: Fanout, index: int) -> str:
+    return ctx.echo[index // fanout.n] if ctx.echo else ""
+
+
+def completion_response(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput]) -> CompletionResponse:
+    choices = []
+    for i, out in enumerate(finals):
+        c = out.outputs[0]
+        prefix = _echo(ctx, fanout, i)
+        lp = None
+        if ctx.top_logprobs is not None and c.logprobs is not None:
+            lp = completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, ctx.top_logprobs, len(prefix))
+        choices.append(CompletionChoice(index=i, text=prefix + c.text, logprobs=lp, finish_reason=_reason(out)))
+    _log_finished(ctx, fanout, finals, stream=False)
+    return CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
+                              usage=usage(fanout, finals))
+
+
+def _completion_chunk(ctx: ResponseContext, index: int, out: RequestOutput, sent: dict[int, int]) -> str | None:
+    """The text/logprobs this step added to choice `index` (and its finish_reason when done)."""
+    c = out.outputs[0]
+    has_tokens = ctx.top_logprobs is not None and bool(c.token_ids_delta)
+    if not (c.text_delta or has_tokens or out.finished):
+        return None
+    text = c.text_delta
+    lp = None
+    if has_tokens:
+        offset = sent.get(index, 0)
+        lp = completion_logprobs(ctx.tokenizer, *_new_tokens(out), ctx.top_logprobs, offset)
+    sent[index] = sent.get(index, 0) + len(text)
+    choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=_reason(out) if out.finished else None)
+    return sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]))
+
+
+async def stream_completion(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+    """`text_completion` events for a started Fanout; closes it however the stream ends."""
+    sent: dict[int, int] = {}  # characters streamed per choice (for logprobs text_offset)
+    try:
+        if ctx.echo:
+            for i in range(fanout.num_choices):
+                text = _echo(ctx, fanout, i)
+                sent[i] = len(text)
+                yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
+                                             choices=[CompletionChoice(index=i, text=text)]))
+        async for index, out in fanout:
+            event = _completion_chunk(ctx, index, out, sent)
+            if event is not None:
+                yield event
+        finals = [fanout.last[i] for i in range(fanout.num_choices)]
+        if ctx.include_usage:
+            yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[],
+                                         usage=usage(fanout, finals)))
+        _log_finished(ctx, fanout, finals, stream=True)
+    except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band like OpenAI
+        yield _stream_error(ctx, e)
+    finally:
+        await fanout.aclose()
+    yield DONE

@@ -1,0 +1,102 @@
+"""ServerState: the engine (once loaded), metrics, readiness and drain state of one app."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from ferrylm.engine.async_engine import AsyncEngine
+from ferrylm.engine.engine import Engine, EngineStats
+from ferrylm.observability.metrics import ServerMetrics
+from ferrylm.sampling_params import SamplingParams
+from ferrylm.server.config import ServerConfig
+from ferrylm.server.drain import DrainController
+from ferrylm.server.errors import APIError
+from ferrylm.server.health import ReadinessProbe
+
+log = logging.getLogger("ferrylm.server")
+WARMUP_TIMEOUT_S = 300.0
+
+
+class ServerState:
+    """Loads the engine in the background (the server answers /health and 503s meanwhile)."""
+
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Engine]):
+        self.config = config
+        self._engine_factory = engine_factory
+        self.engine: AsyncEngine | None = None
+        self.probe: ReadinessProbe | None = None
+        self.ready = False  # loaded and warmed up
+        self.load_error: BaseException | None = None
+        self.fatal = asyncio.Event()  # set when the server cannot work and should exit
+        self.drain = DrainController()
+        self.metrics = ServerMetrics(config.model_name, self._stats)
+        self._load_task: asyncio.Task | None = None
+
+    def _stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    @asynccontextmanager
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        self._load_task = asyncio.create_task(self._load())
+        try:
+            yield
+        finally:
+            self._load_task.cancel()
+            if self.engine is not None:
+                await asyncio.to_thread(self.engine.shutdown)
+
+    async def _load(self) -> None:
+        start = time.monotonic()
+        try:
+            engine = await asyncio.to_thread(self._engine_factory)
+            self.engine = AsyncEngine(engine)
+            self.engine.start()
+            self.probe = ReadinessProbe(self.engine, engine.tokenizer.encode("ok"), self.config.ready_timeout_s)
+            await self._warm_up(engine)
+        except Exception as e:  # noqa: BLE001 - a server that cannot load must say why and exit
+            log.exception("engine failed to load")
+            self.load_error = e
+            self.fatal.set()
+            return
+        self.ready = True
+        log.info("engine ready", extra={"seconds": round(time.monotonic() - start, 2),
+                                        "max_model_len": engine.max_model_len,
+                                        "kv_blocks": engine.stats().kv_blocks_total})
+
+    async def _warm_up(self, engine: Engine) -> None:
+        """One short chat generation through the whole path, so the first user pays no one-off costs."""
+        tok = engine.tokenizer
+        prompt = (tok.apply_chat_template([{"role": "user", "content": "Hello"}]) if tok.has_chat_template
+                  else tok.encode("Hello"))
+        stream = self.engine.generate("warmup", prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        try:
+            async with asyncio.timeout(WARMUP_TIMEOUT_S):
+                async for _ in stream:
+                    pass
+        finally:
+            await stream.aclose()
+
+    def admit(self) -> AsyncEngine:
+        """The engine for a new request, or a 503 while loading, draining or dead."""
+        self.drain.check_admitting()
+        if self.load_error is not None:
+            raise APIError(503, f"The model failed to load: {self.load_error}", code="model_load_failed")
+        if self.engine is None or not self.ready:
+            raise APIError(503, "The model is still loading; retry shortly.", code="model_loading")
+        if not self.engine.is_running:
+            raise APIError(503, "The engine stopped; retry on another replica.", code="engine_dead")
+        return self.engine
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The name to answer with; 404 model_not_found for a model this server does not serve."""
+        if requested is None:
+            return self.config.model_name
+        if requested not in self.config.served_model_names:
+            raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
+        return requested

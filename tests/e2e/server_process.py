@@ -1,0 +1,98 @@
+"""A real `ferrylm serve` subprocess on 127.0.0.1 for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Starts the server at construction; `wait_ready` polls /ready; logs go to a temp file."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None):
+        self.port = free_port()
+        self.api_key = api_key
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="ferrylm-e2e-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "ferrylm.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url("/ready"), timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=self.api_key or "unused", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key=self.api_key or "unused", max_retries=0,
+                                  timeout=300)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name (labels other than model_name folded into the name)."""
+        text = httpx.get(self.url("/metrics"), timeout=10).text
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                extra = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+                values[sample.name + (f"{{{extra}}}" if extra else "")] = sample.value
+        return values
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Wait until no request is running or waiting; returns the metrics then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["ferrylm:num_requests_running"] == 0 and m["ferrylm:num_requests_waiting"] == 0:
+                return m
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server still busy: {m}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
