@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 from typing import Any
 
 import pytest
@@ -250,19 +249,34 @@ def test_random_stops_match_reference(tok: Any, text: str, stop: list[str], chun
         assert (out, detok.stop_reason) == (full, None)
 
 
-def test_per_token_cost(tok: Any) -> None:
-    """1000 output tokens: per-token cost stays small and flat (no re-decoding)."""
+class _WindowSpy:
+    """Wraps the tokenizer and records how many tokens each decode call is given."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.sizes = inner, []
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        self.sizes.append(len(tokens))
+        return self.inner.convert_tokens_to_string(tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_work_per_token_is_bounded(tok: Any) -> None:
+    """1000 output tokens: each step decodes a small window, never the whole output (O(1) per token).
+
+    Speed itself is measured in bench, not asserted here; this checks the structure that makes it fast.
+    """
     words = "The quick brown fox jumps over the lazy dog. 日本語のテキスト 👍🏽 café. "
     ids = (enc(tok, words * 200))[:1000]
     assert len(ids) == 1000
     prompt = enc(tok, "Write a story:")
     for stop in ([], ["THE END", "\n\n\n"]):
-        detok = IncrementalDetokenizer(tok, prompt, stop=stop)
-        start = time.perf_counter()
+        spy = _WindowSpy(tok)
+        detok = IncrementalDetokenizer(spy, prompt, stop=stop)
         for i in ids:
             detok.add_tokens([i])
-        per_token_us = (time.perf_counter() - start) / len(ids) * 1e6
         detok.flush()
         assert detok.output_text == tok.decode(ids)
-        print(f"\nper-token cost (stop={stop}): {per_token_us:.1f} us")
-        assert per_token_us < 500
+        assert len(spy.sizes) >= len(ids) and max(spy.sizes) <= 40
