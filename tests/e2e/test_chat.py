@@ -20,14 +20,18 @@ CONVERSATIONS = [
 ]
 
 
+def flatten(messages):
+    """Text content parts joined by newlines, as the server does (the offline LLM takes strings)."""
+    return [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+             else "\n".join(p["text"] for p in m["content"])} for m in messages]
+
+
 def offline(llm, messages, **params):
-    return llm.chat(messages, SamplingParams(**params), use_tqdm=False)[0]
+    return llm.chat(flatten(messages), SamplingParams(**params), use_tqdm=False)[0]
 
 
 def prompt_len(llm, messages) -> int:
-    flat = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
-             else "\n".join(p["text"] for p in m["content"])} for m in messages]
-    return len(llm.get_tokenizer().apply_chat_template(flat))
+    return len(llm.get_tokenizer().apply_chat_template(flatten(messages)))
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)

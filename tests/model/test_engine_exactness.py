@@ -130,3 +130,48 @@ def test_shared_prefix_prefills_only_tail(llm_fp32):
     assert item.num_computed_tokens == len(prefix) // 16 * 16
     assert len(item.token_ids) == len(b_ids) - len(prefix) // 16 * 16
     assert engine.stats().prefix_cache_hits >= len(prefix) // 16 * 16
+
+
+def test_seeded_sampling_independent_of_batch(llm_fp32, prompts16):
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = engine_like(llm_fp32)
+    alone.add_request("s", prompts16[1], seeded)
+    expected = run_to_completion(alone)["s"]
+    crowded = engine_like(llm_fp32)
+    for i in (3, 4, 5):
+        crowded.add_request(f"o{i}", prompts16[i], SamplingParams(temperature=1.0, max_tokens=24))
+    crowded.add_request("s", prompts16[1], seeded)
+    assert run_to_completion(crowded)["s"] == expected
+
+
+def test_abort_mid_flight_frees_everything(llm_fp32, prompts16):
+    engine = engine_like(llm_fp32, max_num_batched_tokens=64)
+    for i in range(4):
+        engine.add_request(str(i), prompts16[7 + i], GREEDY)
+    for step in range(6):
+        engine.step()
+        engine.scheduler.check_invariants()
+        if step == 2:
+            assert engine.abort("0").outputs[0].finish_reason.value == "abort"  # mid-prefill or decoding
+    for i in range(1, 4):
+        engine.abort(str(i))
+    engine.scheduler.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_llm_n_logprobs_and_stop(llm_fp32):
+    params = SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=12, logprobs=3)
+    (out,) = llm_fp32.chat([{"role": "user", "content": "Name a colour."}], params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        for token, entry in zip(c.token_ids, c.logprobs):
+            assert token in entry and len(entry) >= 3 and all(v <= 0 for v in entry.values())
+    greedy = llm_fp32.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20),
+                               use_tqdm=False)[0].outputs[0].text
+    word = greedy.split()[1]
+    stopped = llm_fp32.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20,
+                                                                           stop=[word]), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason.value == "stop" and stopped.stop_reason == word
+    assert stopped.text == greedy[:greedy.index(word)]
