@@ -10,12 +10,16 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 like the reference, then cast back to the activation dtype."""
+    """RMSNorm computed in float32 like the reference, then cast back to the activation dtype.
 
-    def __init__(self, hidden_size: int, eps: float):
+    `fused_ops` (the CPU extension, optional) does residual-add + norm in one in-place call.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, fused_ops=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.fused_ops = fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -24,7 +28,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused `residual += x; return norm(residual), residual` (saves one pass over the batch)."""
+        """`residual += x; return norm(residual), residual`; in place on x and residual when fused."""
+        if self.fused_ops is not None and x.is_contiguous() and residual.is_contiguous():
+            self.fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
         residual = residual + x
         return self.forward(residual), residual
 
@@ -47,8 +54,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, fused_ops=None):
         super().__init__()
+        self.fused_ops = fused_ops
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type not in ("default", "linear", "llama3", None):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
@@ -70,6 +78,13 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq.float())
         self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def rotate_packed_(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, head_dim: int) -> bool:
+        """Rotate the q and k heads of a packed [T, (H + 2Hkv) D] projection in place, if fused ops exist."""
+        if self.fused_ops is None or not qkv.is_contiguous():
+            return False
+        self.fused_ops.rope_qkv_(qkv, positions, self.cos, self.sin, num_heads, head_dim)
+        return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]; rotation computed in float32."""

@@ -31,11 +31,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) D]
+        rotated = self.rotary.rotate_packed_(batch.positions, qkv, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        if not rotated:
+            q, k = self.rotary(batch.positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -52,11 +54,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, fused_ops=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.self_attn = LlamaAttention(config, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
@@ -71,17 +73,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder; `forward` returns hidden states, `compute_logits` only for sampled rows."""
+    """The whole decoder; `forward` returns hidden states, `compute_logits` only for sampled rows.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None):
+    `fused_ops`: optional CPU extension with in-place add+RMSNorm and packed RoPE (fewer op dispatches).
+    """
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None,
+                 fused_ops=None):
         super().__init__()
         self.config = config
         positions = max_positions or config.max_position_embeddings
-        self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling_dict)
+        self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling_dict,
+                                      fused_ops)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -82,11 +82,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
 
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               max_positions: int | None = None) -> LlamaForCausalLM:
+               max_positions: int | None = None, fused_ops=None) -> LlamaForCausalLM:
     """Allocate on the meta device, materialise in `dtype` on `device`, then fill from the checkpoint."""
     config = checkpoint.config
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions)
+        model = LlamaForCausalLM(config, backend, max_positions, fused_ops)
     model = model.to(dtype).to_empty(device=device)  # dtype cast on meta is free
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -9,7 +9,7 @@ import torch
 
 from ferrylm.config import CacheConfig, ModelConfig
 from ferrylm.engine.scheduler import SchedulerOutput
-from ferrylm.model.attention.cpu import make_attention_backend
+from ferrylm.model.attention.cpu import cpu_fused_ops, make_attention_backend
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
@@ -41,7 +41,7 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.block_size = cache_config.block_size
         self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, make_attention_backend(device),
-                                                   max_model_len)
+                                                   max_model_len, cpu_fused_ops(device))
         self.num_blocks = cache_config.num_blocks or max(
             1, cache_config.kv_cache_memory // kv_bytes_per_block(self.config, self.block_size, dtype))
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)

@@ -16,9 +16,14 @@ transformers = pytest.importorskip("transformers")
 BLOCK = 16
 
 
-def _ours(directory):
+def _ours(directory, fast: bool = False):
+    """Our model on `directory`: torch-native (the oracle) or the CPU fast path (C++ kernels)."""
+    from ferrylm.model.attention.cpu import cpu_fused_ops, make_attention_backend
+
     checkpoint = Checkpoint(resolve_model(str(directory)))
-    model = load_model(checkpoint, torch.float32, torch.device("cpu"), TorchNativeBackend())
+    cpu = torch.device("cpu")
+    backend = make_attention_backend(cpu) if fast else TorchNativeBackend()
+    model = load_model(checkpoint, torch.float32, cpu, backend, fused_ops=cpu_fused_ops(cpu) if fast else None)
     cfg = checkpoint.config
     caches = [(torch.zeros(64, BLOCK, cfg.num_kv_heads, cfg.head_dim), torch.zeros(64, BLOCK, cfg.num_kv_heads,
                cfg.head_dim)) for _ in range(cfg.num_layers)]
@@ -31,10 +36,11 @@ def _reference_logits(directory, prompt: list[int]) -> torch.Tensor:
         return ref(torch.tensor([prompt])).logits[0]
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["torch-native", "cpu-kernels"])
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
-def test_varlen_batch_matches_transformers(kind, tmp_path):
+def test_varlen_batch_matches_transformers(kind, fast, tmp_path):
     directory = make_tiny_model(kind, tmp_path / kind)
-    model, caches = _ours(directory)
+    model, caches = _ours(directory, fast)
     gen = torch.Generator().manual_seed(1)
     lengths = [5, 37, 70, 1]  # span 1..5 blocks, including a partial last block
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lengths]

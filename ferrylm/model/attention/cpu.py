@@ -42,10 +42,14 @@ class CpuBackend:
 
 def make_attention_backend(device: torch.device):
     """The fastest backend available for `device` (torch-native where nothing better loads)."""
-    if device.type == "cpu":
-        from ferrylm.model.attention.cpu_kernels import load_cpu_kernels
+    kernels = cpu_fused_ops(device)
+    return CpuBackend(kernels) if kernels is not None else TorchNativeBackend()
 
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            return CpuBackend(kernels)
-    return TorchNativeBackend()
+
+def cpu_fused_ops(device: torch.device):
+    """The compiled CPU extension when running on CPU and it builds; else None (plain torch)."""
+    if device.type != "cpu":
+        return None
+    from ferrylm.model.attention.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels()

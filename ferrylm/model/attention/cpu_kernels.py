@@ -12,7 +12,7 @@ from pathlib import Path
 
 log = logging.getLogger("ferrylm.kernels")
 
-_SRC = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
 
 
 @lru_cache(maxsize=1)
@@ -23,7 +23,7 @@ def load_cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="ferrylm_cpu_kernels", sources=[str(_SRC)], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
+        return load(name="ferrylm_cpu_kernels", sources=[str(p) for p in _SOURCES], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
         log.warning("CPU attention kernel unavailable, using plain torch: %s", e)

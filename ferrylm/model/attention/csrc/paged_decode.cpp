@@ -86,6 +86,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rope_qkv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+               int64_t head_dim);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("add_rms_norm_", &add_rms_norm_, "In-place fused residual add + RMSNorm (CPU)");
+  m.def("rope_qkv_", &rope_qkv_, "In-place rotate-half RoPE on packed q/k heads (CPU)");
 }

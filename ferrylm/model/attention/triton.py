@@ -1,0 +1,337 @@
+"""Triton paged attention for CUDA: KV write, varlen causal prefill, split-K (FlashDecoding) decode.
+
+torch_native.py is the oracle for every kernel here. The module imports without triton or CUDA
+(kernels are only defined when triton is importable); on CPU tensors the kernels run only under
+TRITON_INTERPRET=1, set before triton is imported, and then compute in float32 because the
+interpreter's bf16 dot is unreliable.
+
+Grouped-query attention is packed: the G query heads that share a KV head are rows of the same
+tile, so each K/V row is loaded once per group. Row r of a prefill tile is query token r // G_PAD,
+head r % G_PAD of the group. Query i of sequence b sits at position seq_len - query_len + i (this
+covers prefix-cache hits and chunked prefill) and sees keys 0..position.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ferrylm.model.forward_batch import ForwardBatch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: importable, TritonBackend() raises
+    triton = tl = None
+
+LOG2E = 1.4426950408889634
+MAX_DECODE_PARTITIONS = 64
+MIN_KEYS_PER_PARTITION = 64
+
+
+def triton_available() -> bool:
+    """True when triton imported; kernels still need CUDA tensors or TRITON_INTERPRET=1."""
+    return triton is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         HKV_PAD: tl.constexpr, D_PAD: tl.constexpr):
+        """One program per token: copy its [Hkv, D] K and V rows into slot block*BLOCK_SIZE+offset."""
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        h = tl.arange(0, HKV_PAD)[:, None]
+        d = tl.arange(0, D_PAD)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _attend_range(q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, kvh, lo, hi, m_i, l_i, acc, scale_log2,
+                      stride_cb, stride_cs, stride_ch,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Online softmax of the q rows over keys lo..hi of one sequence, read through its block table."""
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            row = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2  # [M, BLOCK_N], log2 domain
+            keep = n_ok[None, :]
+            if CAUSAL:
+                keep = keep & (n[None, :] <= q_pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr,
+                        tiles_ptr, num_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                        stride_cb, stride_cs, stride_ch, stride_bt,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Grid (tiles, kv heads); tile i = (sequence tiles[i], first query tiles[num_tiles + i])."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.load(tiles_ptr + tile)
+        q0 = tl.load(tiles_ptr + num_tiles + tile)
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        q_start = tl.load(query_start_ptr + b).to(tl.int32)
+        q_len = tl.load(query_start_ptr + b + 1).to(tl.int32) - q_start
+        ctx = seq_len - q_len
+        r = tl.arange(0, BLOCK_Q * G_PAD)
+        qi = q0 + r // G_PAD
+        g = r % G_PAD
+        head = kvh * GROUP + g
+        row_ok = (qi < q_len) & (g < GROUP)
+        d = tl.arange(0, D_PAD)
+        io_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+        q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=io_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, tl.float32)  # finite: exp2(m_old - m_new) stays defined
+        l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
+        hi = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)  # keys beyond the tile's last query are masked anyway
+        m_i, l_i, acc = _attend_range(q, ctx + qi, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_bt, kvh, 0,
+                                      hi, m_i, l_i, acc, scale_log2, stride_cb, stride_cs, stride_ch,
+                                      HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, True, UPCAST, DOT_PREC)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+    @triton.jit(do_not_specialize=["num_parts", "stride_bt"])
+    def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, tables_ptr, seq_lens_ptr, num_parts,
+                       scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+                       stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Grid (seqs, kv heads, partitions). Each sequence is cut into num_parts equal ranges of whole
+        BLOCK_N tiles, computed from its device-side length, so the grid depends on shapes only (CUDA-graph
+        safe). With SPLIT, writes (acc, m, l) per partition for _reduce_kernel; else the final output."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        part = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        part_len = tl.cdiv(tl.cdiv(seq_len, num_parts), BLOCK_N) * BLOCK_N
+        lo = part * part_len
+        hi = tl.minimum(lo + part_len, seq_len)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        head = kvh * GROUP + g
+        io_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+        q = tl.load(q_ptr + b * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([G_PAD], -1.0e30, tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        m_i, l_i, acc = _attend_range(q, m_i, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_bt, kvh, lo, hi,
+                                      m_i, l_i, acc, scale_log2, stride_cb, stride_cs, stride_ch,
+                                      HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, False, UPCAST, DOT_PREC)
+        if SPLIT:
+            # partials laid out [B, H, num_parts, D_PAD + 2]: acc (unnormalised), then m, then l
+            base = ((b * NUM_HEADS + head) * num_parts + part).to(tl.int64) * (D_PAD + 2)
+            g_ok = g < GROUP
+            tl.store(part_ptr + base[:, None] + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(part_ptr + base + D_PAD, m_i, mask=g_ok)
+            tl.store(part_ptr + base + D_PAD + 1, l_i, mask=g_ok)
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + b * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+    @triton.jit(do_not_specialize=["num_parts"])
+    def _reduce_kernel(part_ptr, out_ptr, num_parts, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+        """Grid (seqs, heads): merge the partitions' softmax states (empty ones carry l = 0)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, D_PAD)
+        base = ((b * NUM_HEADS + h) * num_parts).to(tl.int64) * (D_PAD + 2)
+        m = tl.full([D_PAD], -1.0e30, tl.float32)  # kept as vectors: loop-carried types stay simple
+        l = tl.zeros([D_PAD], tl.float32)
+        acc = tl.zeros([D_PAD], tl.float32)
+        for p in range(0, num_parts):
+            row = part_ptr + base + p * (D_PAD + 2)
+            m_p = tl.load(row + D_PAD)
+            l_p = tl.load(row + D_PAD + 1)
+            m_new = tl.maximum(m, m_p)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(m_p - m_new)
+            acc = acc * alpha + tl.load(row + d) * w
+            l = l * alpha + l_p * w
+            m = m_new
+        out = acc / tl.where(l == 0.0, 1.0, l)
+        tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes: large on GPUs, small under the interpreter (it runs every program in numpy)."""
+
+    prefill_rows: int  # query rows (tokens x padded group) per prefill program
+    prefill_keys: int
+    decode_keys: int
+    num_warps: int
+    num_stages: int
+    target_programs: int  # decode programs wanted to fill the GPU (drives the split-K factor)
+
+    @classmethod
+    def for_device(cls, device: torch.device, head_dim: int) -> "TileConfig":
+        if device.type != "cuda":
+            return cls(16, 16, 16, 1, 1, 1)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        big = head_dim > 64
+        return cls(128, 64, 32 if big else 64, 8 if big else 4, 2, 2 * sms)
+
+
+def _kernel_flags(q: torch.Tensor) -> dict:
+    """fp32 math under the interpreter; IEEE fp32 dots on GPU fp32 (TF32 would break fp32 parity)."""
+    fp32 = q.dtype == torch.float32 or not q.is_cuda
+    return {"UPCAST": not q.is_cuda, "DOT_PREC": "ieee" if fp32 else "tf32"}
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows ([T, Hkv, D], any row stride) into their cache slots."""
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], HKV_PAD=_pow2(num_kv_heads), D_PAD=_pow2(head_dim, 16))
+
+
+def _block_q(group: int, cfg: TileConfig) -> int:
+    """Query tokens per prefill tile: the tile's rows hold every (padded) head of the group."""
+    g_pad = _pow2(group)
+    return max(cfg.prefill_rows, g_pad) // g_pad
+
+
+def prefill_tiles(query_lens: list[int], block_q: int) -> list[tuple[int, int]]:
+    """(sequence, first query) of every prefill tile; a sequence's later (longer) tiles first."""
+    return [(b, q0) for b, n in enumerate(query_lens) for q0 in reversed(range(0, n, block_q))]
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                  tiles: torch.Tensor, scale: float, cfg: TileConfig) -> torch.Tensor:
+    """Causal varlen attention of every query row in `batch` (decode rows are 1-token sequences).
+
+    `tiles` is the int32 [2, num_tiles] device tensor of prefill_tiles(batch.query_lens_list, block_q).
+    """
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    num_tiles = tiles.shape[1]
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start_loc, tiles, num_tiles,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), batch.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], G_PAD=_pow2(group), BLOCK_Q=_block_q(group, cfg), D_PAD=_pow2(head_dim, 16),
+        BLOCK_N=cfg.prefill_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_kernel_flags(q))
+    return out
+
+
+def decode_partitions(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                      target_programs: int) -> int:
+    """Split-K factor from shapes only (never from lengths, so a captured graph stays valid)."""
+    wanted = -(-target_programs // max(1, num_seqs * num_kv_heads))
+    useful = -(-max_blocks * block_size // MIN_KEYS_PER_PARTITION)
+    return max(1, min(wanted, useful, MAX_DECODE_PARTITIONS))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, num_parts: int, cfg: TileConfig) -> torch.Tensor:
+    """One query token per sequence (q row b belongs to sequence b); FlashDecoding when num_parts > 1."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    d_pad = _pow2(head_dim, 16)
+    out = torch.empty_like(q)
+    split = num_parts > 1
+    partials = torch.empty((num_seqs, num_heads, num_parts, d_pad + 2) if split else (1,),
+                           dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
+        q, k_cache, v_cache, out, partials, block_tables, seq_lens, num_parts, scale * LOG2E, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        G_PAD=_pow2(group, 16), D_PAD=d_pad, BLOCK_N=cfg.decode_keys, SPLIT=split, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_kernel_flags(q))
+    if split:
+        _reduce_kernel[(num_seqs, num_heads)](partials, out, num_parts, out.stride(0), out.stride(1),
+                                              NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad)
+    return out
+
+
+class TritonBackend:
+    """AttentionBackend for CUDA. Decode-only batches take the split-K decode kernel, whose launch
+    depends on shapes only, so CudaGraphRunner can capture it; any batch with a prefill chunk runs
+    every row through the varlen prefill kernel (a decode row is a one-token tile)."""
+
+    supports_cuda_graphs = True
+
+    def __init__(self, decode_partitions: int | None = None):
+        """`decode_partitions` forces the split-K factor (tests); None picks it from the batch shape."""
+        if triton is None:
+            raise RuntimeError("TritonBackend needs the triton package (pip install triton)")
+        self.forced_partitions = decode_partitions
+        self._tiles: tuple[ForwardBatch, torch.Tensor] | None = None  # per-batch metadata, reused by layers
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        if not q.is_cuda and not _interpreting():
+            raise RuntimeError("TritonBackend on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        q = _last_dim_contiguous(q)
+        cfg = TileConfig.for_device(q.device, q.shape[-1])
+        if batch.is_decode_only:
+            parts = self.forced_partitions or decode_partitions(
+                batch.num_seqs, k_cache.shape[2], batch.block_tables.shape[1], k_cache.shape[1], cfg.target_programs)
+            return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, parts, cfg)
+        tiles = self._prefill_tiles(batch, q, q.shape[1] // k_cache.shape[2], cfg)
+        return paged_prefill(q, k_cache, v_cache, batch, tiles, scale, cfg)
+
+    def _prefill_tiles(self, batch: ForwardBatch, q: torch.Tensor, group: int, cfg: TileConfig) -> torch.Tensor:
+        """Tile table built from host lists once per batch (one small copy, no device sync)."""
+        if self._tiles is None or self._tiles[0] is not batch:
+            tiles = prefill_tiles(batch.query_lens_list, _block_q(group, cfg))
+            table = torch.tensor([[b for b, _ in tiles], [q0 for _, q0 in tiles]], dtype=torch.int32)
+            self._tiles = (batch, table.to(q.device))
+        return self._tiles[1]
