@@ -7,6 +7,7 @@ STAMP := $(VENV)/.ferrylm-installed
 .PHONY: setup serve generate test bench clean
 
 $(STAMP): pyproject.toml Makefile
+	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)  # shared rate limits
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0   # pinned: a local CPU build; unpinned pulls CUDA

@@ -1,0 +1,297 @@
+"""Gateway: the policy seam in front of the engine. The server calls `admit` before it queues a
+request and `finish` once the request has ended (however it ended):
+
+    admission = await gateway.admit(request.headers, client_addr, model, prompt_tokens, max_tokens, stats)
+    ... run the request at admission.priority, send admission.response_headers ...
+    await gateway.finish(admission, status, prompt_tokens, completion_tokens, latency)
+
+`admit` runs auth → model permission → admission control → concurrency → daily quota → rate
+limits, and raises GatewayError (render it with gateway.http.error_response) or returns an
+Admission holding everything `finish` must give back. Blocking work (database, Redis) runs in a
+worker thread so the event loop never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ferrylm.gateway.admission import AdmissionController, DrainRateTracker, EngineLoad, shed_error
+from ferrylm.gateway.audit import AuditLog, AuditRecord
+from ferrylm.gateway.auth import Authenticator, Principal, check_model
+from ferrylm.gateway.config import AdmissionConfig, GatewayConfig, JWTConfig
+from ferrylm.gateway.errors import AuthError, GatewayError, too_many_requests
+from ferrylm.gateway.quotas import ConcurrencyLimiter, DailyQuota
+from ferrylm.gateway.rate_limit import (BucketStorage, MemoryBucketStorage, RateLimiter, RateLimitResult, RateScope,
+                                        Reservation)
+from ferrylm.gateway.store import Store
+
+__all__ = ["Admission", "AdmissionConfig", "Gateway", "GatewayConfig", "GatewayError", "JWTConfig"]
+
+log = logging.getLogger("ferrylm.gateway")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted request: who, at which priority, and what it holds until `finish`."""
+
+    admission_id: str
+    request_id: str
+    principal: Principal
+    model: str
+    priority: int  # pass to the engine (lower runs first)
+    client_addr: str | None
+    started_at: float
+    prompt_tokens: int
+    max_tokens: int
+    daily_hold: int
+    reservation: Reservation | None
+    rate_limit: RateLimitResult | None
+    projected_wait_s: float | None
+
+    @property
+    def response_headers(self) -> dict[str, str]:
+        """x-ratelimit-* headers to copy onto the response (empty when no limits apply)."""
+        return self.rate_limit.headers() if self.rate_limit else {}
+
+
+def _header(headers: Mapping[str, str] | None, name: str) -> str | None:
+    """Case-insensitive lookup that works for plain dicts and Starlette Headers alike."""
+    if not headers:
+        return None
+    value = headers.get(name)
+    if value is None:
+        value = next((v for k, v in headers.items() if isinstance(k, str) and k.lower() == name), None)
+    return value if isinstance(value, str) else None
+
+
+def _scopes(principal: Principal) -> list[RateScope]:
+    scopes = [RateScope(f"tenant:{principal.tenant}", principal.rpm, principal.tpm)]
+    if principal.key_id and (principal.key_rpm or principal.key_tpm):
+        scopes.append(RateScope(f"key:{principal.key_id}", principal.key_rpm, principal.key_tpm))
+    return scopes
+
+
+def _rate_limited(result: RateLimitResult, principal: Principal, tokens: int) -> GatewayError:
+    headers = result.headers()
+    if result.too_large:
+        return GatewayError(429, f"Request too large for tenant '{principal.tenant}': it may need {tokens} tokens "
+                                 f"(prompt + max_tokens) but the limit is {result.tokens.limit} tokens per minute. "
+                                 "Reduce max_tokens or the prompt.", "tokens", "rate_limit_exceeded", headers)
+    kind = result.limited_by or "requests"
+    return too_many_requests(f"Rate limit reached for tenant '{principal.tenant}' on {kind} per minute. "
+                             f"Please try again in {result.retry_after_s:.2f}s.", "rate_limit_exceeded", kind,
+                             result.retry_after_s, headers)
+
+
+def _make_storage(config: GatewayConfig, clock: Callable[[], float] | None) -> BucketStorage:
+    if config.redis_url:
+        from ferrylm.gateway.rate_limit_redis import RedisBucketStorage
+
+        return RedisBucketStorage.from_url(config.redis_url, config.redis_key_prefix, clock)
+    return MemoryBucketStorage(clock or time.monotonic)
+
+
+class Gateway:
+    """Auth, limits, quotas, admission and audit for one server process. `clock` (epoch seconds)
+    is injectable for tests; `store` and `bucket_storage` default to those the config names (a
+    store passed in stays the caller's to close)."""
+
+    def __init__(self, config: GatewayConfig, *, store: Store | None = None,
+                 bucket_storage: BucketStorage | None = None, clock: Callable[[], float] | None = None):
+        self.config = config
+        self._clock = clock or time.time
+        self._owns_store = store is None
+        self.store = store or Store(config.state_db, self._clock)
+        self.authenticator = Authenticator(self.store, config.jwt, self._clock)
+        self.limiter = RateLimiter(bucket_storage or _make_storage(config, clock))
+        self.concurrency = ConcurrencyLimiter()
+        self.daily = DailyQuota(self.store, self._clock)
+        self.admission = AdmissionController(config.admission)
+        self.drain = DrainRateTracker(default_completion_tokens=config.admission.default_completion_tokens)
+        self.audit = AuditLog(self.store, config.audit_prompts)
+        self._lock = threading.Lock()
+        self._open: dict[str, Admission] = {}
+        # Its own threads: a slow database or Redis must not starve the server's other thread work.
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ferrylm-gateway")
+        self._anonymous = Principal(config.anonymous_tenant, None, config.admission.default_tier, "anonymous")
+
+    # the async seam
+
+    async def admit(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
+                    prompt_tokens: int, max_tokens: int, stats_snapshot: object | None, *,
+                    request_id: str | None = None, engine_healthy: bool = True) -> Admission:
+        """Admit a request or raise GatewayError. If the caller is cancelled meanwhile, an
+        admission that still went through is finished (released) in the background."""
+        call = functools.partial(self.admit_sync, request_headers, client_addr, model, prompt_tokens, max_tokens,
+                                 stats_snapshot, request_id=request_id, engine_healthy=engine_healthy)
+        future = asyncio.get_running_loop().run_in_executor(self._executor, call)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._release_abandoned)
+            raise
+
+    async def finish(self, admission: Admission, status: int, prompt_tokens: int, completion_tokens: int,
+                     latency: float | None = None, *, prompt: str | None = None, error_code: str | None = None) -> None:
+        """Settle limits, release concurrency, charge the daily quota, write the audit record.
+        Idempotent; completes even if the caller is cancelled; never raises."""
+        call = functools.partial(self.finish_sync, admission, status, prompt_tokens, completion_tokens, latency,
+                                 prompt=prompt, error_code=error_code)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, call)
+        except RuntimeError:  # closed during shutdown: release inline rather than leak
+            call()
+            return
+        await asyncio.shield(future)
+
+    def _release_abandoned(self, future: asyncio.Future) -> None:
+        """An admit whose caller was cancelled: finish it as 499 if it went through."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        admission = future.result()
+        release = functools.partial(self.finish_sync, admission, 499, admission.prompt_tokens, 0,
+                                    error_code="client_disconnected")
+        asyncio.get_running_loop().run_in_executor(self._executor, release)
+
+    # the synchronous core (also usable from a worker thread directly)
+
+    def admit_sync(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
+                   prompt_tokens: int, max_tokens: int, stats_snapshot: object | None, *,
+                   request_id: str | None = None, engine_healthy: bool = True) -> Admission:
+        started = self._clock()
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        principal = self._identify(_header(request_headers, "authorization"))
+        try:
+            return self._admit_principal(principal, client_addr, model, prompt_tokens, max_tokens,
+                                         stats_snapshot, request_id, engine_healthy, started)
+        except GatewayError as err:
+            if self.config.audit_rejections:
+                self._audit(AuditRecord(started, request_id, principal.tenant, principal.key_id, model, prompt_tokens,
+                                        0, err.status, self._clock() - started, client_addr, err.code))
+            raise
+
+    def _identify(self, authorization: str | None) -> Principal:
+        if self.config.require_auth:
+            return self.authenticator.authenticate(authorization)
+        if authorization:  # an open server still honours real credentials (their tenant, their limits)
+            try:
+                return self.authenticator.authenticate(authorization)
+            except AuthError:
+                pass
+        return self._anonymous
+
+    def _load(self, stats_snapshot: object | None, engine_healthy: bool, now: float) -> EngineLoad | None:
+        if stats_snapshot is None:
+            return None if engine_healthy else EngineLoad(0, 0, 0, 0.0, False)
+        load = stats_snapshot if isinstance(stats_snapshot, EngineLoad) else EngineLoad.from_stats(stats_snapshot)
+        if not engine_healthy:
+            load = load._replace(healthy=False)
+        self.drain.observe_snapshot(load, now)
+        return load
+
+    def _admit_principal(self, principal: Principal, client_addr: str | None, model: str, prompt_tokens: int,
+                         max_tokens: int, stats_snapshot: object | None, request_id: str, engine_healthy: bool,
+                         started: float) -> Admission:
+        check_model(principal, model)
+        load = self._load(stats_snapshot, engine_healthy, started)
+        decision = self.admission.decide(load, principal.tier, self.drain.rate, self.drain.mean_completion_tokens)
+        if not decision.admitted:
+            raise shed_error(decision, principal.tier)
+        tokens = max(0, prompt_tokens) + max(0, max_tokens)
+        self.concurrency.acquire(principal.tenant, principal.max_concurrency)
+        held = 0
+        try:
+            held = self.daily.hold(principal.tenant, principal.daily_tokens, tokens)
+            result = self._reserve(principal, tokens)
+        except BaseException:
+            self.daily.release(principal.tenant, held)
+            self.concurrency.release(principal.tenant)
+            raise
+        admission = Admission(uuid.uuid4().hex, request_id, principal, model, decision.priority, client_addr, started,
+                              prompt_tokens, max_tokens, held, result.reservation, result, decision.projected_wait_s)
+        with self._lock:
+            self._open[admission.admission_id] = admission
+        return admission
+
+    def _reserve(self, principal: Principal, tokens: int) -> RateLimitResult:
+        try:
+            result = self.limiter.reserve(_scopes(principal), tokens)
+        except Exception:
+            log.exception("rate limiter storage failed")
+            raise GatewayError(503, "Rate limiting is unavailable; please retry shortly.", "server_error",
+                               "rate_limiter_unavailable", {"Retry-After": "1"}) from None
+        if not result.allowed:
+            raise _rate_limited(result, principal, tokens)
+        return result
+
+    def finish_sync(self, admission: Admission, status: int, prompt_tokens: int, completion_tokens: int,
+                    latency: float | None = None, *, prompt: str | None = None, error_code: str | None = None) -> None:
+        with self._lock:
+            if self._open.pop(admission.admission_id, None) is None:
+                return  # finished already
+            others = bool(self._open)
+        tenant, used, now = admission.principal.tenant, max(0, prompt_tokens) + max(0, completion_tokens), self._clock()
+        self.concurrency.release(tenant)
+        self.daily.release(tenant, admission.daily_hold)
+        self.drain.observe_completion(used, completion_tokens, others, now)
+        if admission.reservation is not None:
+            try:
+                self.limiter.settle(admission.reservation, used)
+            except Exception:
+                log.exception("rate limiter settle failed", extra={"request_id": admission.request_id})
+        p = admission.principal
+        record = AuditRecord(admission.started_at, admission.request_id, tenant, p.key_id, admission.model,
+                             prompt_tokens, completion_tokens, status,
+                             latency if latency is not None else now - admission.started_at,
+                             admission.client_addr, error_code, prompt)
+        self._audit(record, charge=used)
+
+    def _audit(self, record: AuditRecord, charge: int = 0) -> None:
+        """Audit row and daily usage in one transaction; a failure is logged, never raised."""
+        def write(conn) -> None:
+            if charge and record.tenant is not None:
+                self.daily.charge(conn, record.tenant, charge)
+            self.audit.append(conn, record)
+
+        try:
+            self.store.run_in_transaction(write)
+        except Exception:
+            log.exception("audit write failed", extra={"request_id": record.request_id})
+
+    # inspection
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def check_invariants(self) -> None:
+        """Open admissions match the concurrency counts; every part is internally consistent."""
+        with self._lock:
+            per_tenant: dict[str, int] = {}
+            for a in self._open.values():
+                per_tenant[a.principal.tenant] = per_tenant.get(a.principal.tenant, 0) + 1
+        for tenant, n in per_tenant.items():
+            if self.concurrency.active(tenant) != n:
+                raise AssertionError(f"tenant {tenant}: {n} open admissions, {self.concurrency.active(tenant)} counted")
+        if self.concurrency.total() != sum(per_tenant.values()):
+            raise AssertionError("concurrency counts tenants with no open admission")
+        self.limiter.check_invariants()
+        self.concurrency.check_invariants()
+        self.daily.check_invariants()
+        self.drain.check_invariants()
+
+    def close(self) -> None:
+        """Wait for admissions and finishes in progress, then close the connections."""
+        self._executor.shutdown(wait=True)
+        self.limiter.storage.close()
+        if self._owns_store:
+            self.store.close()

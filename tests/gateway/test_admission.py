@@ -1,0 +1,119 @@
+"""Admission control from synthetic engine stats: Little's-law wait projection, tier budgets and
+priorities, 429/503 with Retry-After, drain-rate tracking. No engine anywhere."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ferrylm.gateway.admission import AdmissionController, DrainRateTracker, EngineLoad
+from ferrylm.gateway.config import AdmissionConfig, ConfigError
+from ferrylm.gateway.errors import GatewayError
+from tests.gateway.helpers import admit
+
+SATURATED = EngineLoad(num_waiting=100, num_running=64, num_waiting_prompt_tokens=50_000, kv_cache_usage=0.99)
+IDLE = EngineLoad(num_waiting=0, num_running=3, num_waiting_prompt_tokens=0, kv_cache_usage=0.2)
+
+
+def stats(waiting=0, running=0, waiting_tokens=0, kv=0.0, prompt_total=0, generated_total=0, **extra):
+    """An EngineStats look-alike (the gateway reads it by attribute)."""
+    return SimpleNamespace(num_waiting=waiting, num_running=running, num_waiting_prompt_tokens=waiting_tokens,
+                           kv_cache_usage=kv, prompt_tokens_total=prompt_total,
+                           generation_tokens_total=generated_total, **extra)
+
+
+@pytest.fixture
+def controller() -> AdmissionController:
+    return AdmissionController(AdmissionConfig())
+
+
+def test_saturated_is_shed_with_retry_after(controller):
+    d = controller.decide(SATURATED, "standard", drain_rate=1000.0, mean_completion=128)
+    # (50,000 waiting prompt tokens + 100 x 128 to generate + 64 x 64 still running) / 1000 tok/s
+    assert d.projected_wait_s == pytest.approx((50_000 + 12_800 + 64 * 64) / 1000)
+    assert not d.admitted and d.status == 429 and d.reason == "queue_wait"
+    assert d.retry_after_s == pytest.approx(d.projected_wait_s - 10.0)
+
+
+def test_unsaturated_admits_with_tier_priority(controller):
+    for tier, priority in [("premium", 0), ("standard", 1), ("batch", 2), ("unknown-tier", 1)]:
+        d = controller.decide(IDLE, tier, drain_rate=1000.0, mean_completion=128)
+        assert d.admitted and d.priority == priority and d.projected_wait_s == 0.0
+
+
+def test_budgets_shed_lower_tiers_first(controller):
+    load = EngineLoad(num_waiting=10, num_running=8, num_waiting_prompt_tokens=3720, kv_cache_usage=0.5)
+    decisions = {t: controller.decide(load, t, 1000.0, 128) for t in ("premium", "standard", "batch")}
+    assert decisions["premium"].admitted and decisions["standard"].admitted  # 5 s < 30 s, 10 s
+    assert not decisions["batch"].admitted and decisions["batch"].retry_after_s == pytest.approx(3.0)
+
+
+def test_unhealthy_engine_is_503(controller):
+    d = controller.decide(IDLE._replace(healthy=False), "premium", 1000.0, 128)
+    assert (d.admitted, d.status, d.retry_after_s) == (False, 503, 5.0)
+
+
+def test_unknown_drain_rate_admits(controller):
+    assert controller.decide(SATURATED, "batch", drain_rate=None, mean_completion=128).admitted
+    assert controller.decide(None, "batch", drain_rate=None, mean_completion=128).admitted  # no snapshot
+
+
+def test_queue_length_cap_and_custom_tiers():
+    config = AdmissionConfig(tier_priorities={"gold": 0, "free": 5}, tier_wait_budgets_s={"gold": 60, "free": 1},
+                             default_tier="free", max_num_waiting=50)
+    c = AdmissionController(config)
+    load = EngineLoad(num_waiting=50, num_running=1, num_waiting_prompt_tokens=10, kv_cache_usage=0.1)
+    d = c.decide(load, "gold", 1000.0, 10)
+    assert not d.admitted and d.reason == "queue_full" and d.retry_after_s >= 1
+    assert c.decide(load._replace(num_waiting=1), "gold", 1000.0, 10).priority == 0
+    with pytest.raises(ConfigError):
+        AdmissionConfig(tier_priorities={"gold": 0}, tier_wait_budgets_s={"gold": 1}, default_tier="free")
+
+
+def test_drain_rate_from_snapshot_counters():
+    tracker = DrainRateTracker(half_life_s=5.0)
+    t, total = 0.0, 0
+    for _ in range(40):  # busy at 500 tokens/s
+        tracker.observe_snapshot(EngineLoad(5, 8, 100, 0.5, True, total), t)
+        t, total = t + 1.0, total + 500
+    assert tracker.rate == pytest.approx(500.0)
+    for _ in range(10):  # idle: no tokens, but idle time must not read as a slow engine
+        tracker.observe_snapshot(EngineLoad(0, 0, 0, 0.0, True, total), t)
+        t += 1.0
+    assert tracker.rate == pytest.approx(500.0)
+    tracker.observe_completion(100, 50, True, t)  # ignored for the rate: counters are the source
+    assert tracker.rate == pytest.approx(500.0)
+    tracker.check_invariants()
+
+
+def test_drain_rate_from_completions():
+    tracker = DrainRateTracker(half_life_s=5.0, default_completion_tokens=100)
+    assert tracker.rate is None
+    for i in range(30):
+        tracker.observe_completion(200, 150, True, float(i) * 0.5)  # 400 tokens/s
+    assert tracker.rate == pytest.approx(400.0)
+    assert 135 < tracker.mean_completion_tokens < 150  # EWMA moving from the prior toward 150
+
+
+def test_gateway_sheds_before_any_engine_work(make_gateway, store, clock):
+    store.create_tenant("acme", tier="standard")
+    key = store.create_key("acme")[1]
+    gw = make_gateway()
+    # Teach the gateway the engine drains 1000 tokens/s, from two busy snapshots 1 s apart.
+    admit(gw, key, stats=stats(waiting=1, running=4, waiting_tokens=10, prompt_total=0))
+    clock.advance(1.0)
+    admit(gw, key, stats=stats(waiting=1, running=4, waiting_tokens=10, prompt_total=1000))
+    assert gw.drain.rate == pytest.approx(1000.0)
+    engine_calls = []  # a real server would call the engine only after admit returns
+    with pytest.raises(GatewayError) as info:
+        admit(gw, key, stats=stats(waiting=200, running=64, waiting_tokens=80_000, kv=0.99, prompt_total=1000))
+        engine_calls.append("add_request")
+    err = info.value
+    assert err.status == 429 and err.code == "server_overloaded" and int(err.headers["Retry-After"]) >= 1
+    assert engine_calls == []
+    rejected = gw.audit.recent(1)[0]
+    assert (rejected.status, rejected.error_code, rejected.tenant) == (429, "server_overloaded", "acme")
+    with pytest.raises(GatewayError) as info:
+        gw.admit_sync({"Authorization": f"Bearer {key}"}, None, "m", 1, 1, stats(), engine_healthy=False)
+    assert info.value.status == 503 and info.value.headers["Retry-After"] == "5"
