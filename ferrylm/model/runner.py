@@ -10,6 +10,8 @@ import torch
 from ferrylm.config import CacheConfig, ModelConfig
 from ferrylm.engine.scheduler import SchedulerOutput
 from ferrylm.model.attention.cpu import cpu_fused_ops, make_attention_backend
+from ferrylm.model.attention.triton import TritonBackend, triton_available
+from ferrylm.model.cuda_graphs import CudaGraphRunner
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
@@ -36,18 +38,41 @@ class ModelRunner:
     """Everything that touches a tensor. Built once; `execute` is called once per engine step."""
 
     def __init__(self, checkpoint: Checkpoint, cache_config: CacheConfig, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int):
+                 device: torch.device, max_model_len: int, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enforce_eager: bool = False):
         self.config: ModelConfig = checkpoint.config
         self.device, self.dtype = device, dtype
         self.block_size = cache_config.block_size
-        self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, make_attention_backend(device),
-                                                   max_model_len, cpu_fused_ops(device))
-        self.num_blocks = cache_config.num_blocks or max(
-            1, cache_config.kv_cache_memory // kv_bytes_per_block(self.config, self.block_size, dtype))
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        use_triton = device.type == "cuda" and triton_available()
+        backend = TritonBackend() if use_triton else make_attention_backend(device)
+        self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, backend, max_model_len,
+                                                   cpu_fused_ops(device))
+        self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens)
+        # One block past the engine's pool (index num_blocks) takes the writes of CUDA-graph padding rows.
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
+        self.graphs: CudaGraphRunner | None = None
+        if use_triton and not enforce_eager:
+            self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs,
+                                          max_blocks=-(-max_model_len // self.block_size),
+                                          pad_block=self.num_blocks, block_size=self.block_size)
+            self.graphs.capture()
         self.sampler = Sampler()
         self.states: dict[str, SamplingRequestState] = {}
         self.eos_token_ids = list(self.config.eos_token_ids)
+
+    def _blocks_from_budget(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
+        """KV pool size: `kv_cache_memory` bytes on CPU; on CUDA, what `gpu_memory_utilization` leaves
+        after the weights and an activation reserve for the largest step."""
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        budget = cache_config.kv_cache_memory
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            c = self.config
+            activations = max_num_batched_tokens * (c.hidden_size * 4 + c.intermediate_size * 3) * 4 \
+                + 256 * c.vocab_size * 4  # per-token activations in fp32 + logits of the sampled rows
+            budget = int(free - total * (1.0 - cache_config.gpu_memory_utilization) - activations)
+        return max(1, budget // per_block)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
@@ -66,7 +91,7 @@ class ModelRunner:
         batch = ForwardBatch.build(
             [s.token_ids for s in output.scheduled], [s.num_computed_tokens for s in output.scheduled],
             [s.block_ids for s in output.scheduled], self.block_size, rows, self.device)
-        hidden = self.model(batch, self.kv_caches)
+        hidden = self.graphs.forward(batch) if self.graphs is not None else self.model(batch, self.kv_caches)
         if not rows:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -11,8 +11,10 @@ head r % G_PAD of the group. Query i of sequence b sits at position seq_len - qu
 covers prefix-cache hits and chunked prefill) and sees keys 0..position.
 """
 
+# No `from __future__ import annotations`: triton reads the kernels' `tl.constexpr` annotations.
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -92,7 +94,7 @@ if triton is not None:
             m_i = m_new
         return m_i, l_i, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tiles", "stride_bt"])  # vary per batch: avoid recompiles
     def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr,
                         tiles_ptr, num_tiles, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                         stride_cb, stride_cs, stride_ch, stride_bt,
@@ -130,16 +132,28 @@ if triton is not None:
         tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
+    @triton.jit
+    def _decode_row(rows_ptr, query_start_ptr, GATHER: tl.constexpr):
+        """(sequence, token row) of decode program i: itself in a decode-only batch, else looked up."""
+        i = tl.program_id(0)
+        if GATHER:
+            b = tl.load(rows_ptr + i)
+            return b, tl.load(query_start_ptr + b)
+        else:
+            return i, i
+
     @triton.jit(do_not_specialize=["num_parts", "stride_bt"])
-    def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, tables_ptr, seq_lens_ptr, num_parts,
-                       scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
-                       stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-        """Grid (seqs, kv heads, partitions). Each sequence is cut into num_parts equal ranges of whole
-        BLOCK_N tiles, computed from its device-side length, so the grid depends on shapes only (CUDA-graph
-        safe). With SPLIT, writes (acc, m, l) per partition for _reduce_kernel; else the final output."""
-        b = tl.program_id(0)
+    def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, tables_ptr, seq_lens_ptr, rows_ptr,
+                       query_start_ptr, num_parts, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                       stride_cb, stride_cs, stride_ch, stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                       BLOCK_N: tl.constexpr, GATHER: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Grid (decode rows, kv heads, partitions). Each sequence is cut into num_parts equal ranges of
+        whole BLOCK_N tiles, computed from its device-side length, so the grid depends on shapes only
+        (CUDA-graph safe). With num_parts > 1 (a runtime branch: one compiled kernel serves both), it
+        writes (acc, m, l) per partition for _reduce_kernel, else the output."""
+        b, tok = _decode_row(rows_ptr, query_start_ptr, GATHER)
+        i = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
@@ -150,7 +164,7 @@ if triton is not None:
         d = tl.arange(0, D_PAD)
         head = kvh * GROUP + g
         io_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-        q = tl.load(q_ptr + b * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+        q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([G_PAD], -1.0e30, tl.float32)
@@ -159,26 +173,27 @@ if triton is not None:
         m_i, l_i, acc = _attend_range(q, m_i, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_bt, kvh, lo, hi,
                                       m_i, l_i, acc, scale_log2, stride_cb, stride_cs, stride_ch,
                                       HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, False, UPCAST, DOT_PREC)
-        if SPLIT:
-            # partials laid out [B, H, num_parts, D_PAD + 2]: acc (unnormalised), then m, then l
-            base = ((b * NUM_HEADS + head) * num_parts + part).to(tl.int64) * (D_PAD + 2)
+        if num_parts > 1:
+            # partials laid out [rows, H, num_parts, D_PAD + 2]: acc (unnormalised), then m, then l
+            base = ((i * NUM_HEADS + head) * num_parts + part).to(tl.int64) * (D_PAD + 2)
             g_ok = g < GROUP
             tl.store(part_ptr + base[:, None] + d[None, :], acc, mask=g_ok[:, None])
             tl.store(part_ptr + base + D_PAD, m_i, mask=g_ok)
             tl.store(part_ptr + base + D_PAD + 1, l_i, mask=g_ok)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + b * stride_ot + head[:, None] * stride_oh + d[None, :],
+            tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
     @triton.jit(do_not_specialize=["num_parts"])
-    def _reduce_kernel(part_ptr, out_ptr, num_parts, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-        """Grid (seqs, heads): merge the partitions' softmax states (empty ones carry l = 0)."""
-        b = tl.program_id(0)
+    def _reduce_kernel(part_ptr, out_ptr, rows_ptr, query_start_ptr, num_parts, stride_ot, stride_oh,
+                       NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GATHER: tl.constexpr):
+        """Grid (decode rows, heads): merge the partitions' softmax states (empty ones carry l = 0)."""
+        _, tok = _decode_row(rows_ptr, query_start_ptr, GATHER)
+        i = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, D_PAD)
-        base = ((b * NUM_HEADS + h) * num_parts).to(tl.int64) * (D_PAD + 2)
+        base = ((i * NUM_HEADS + h) * num_parts).to(tl.int64) * (D_PAD + 2)
         m = tl.full([D_PAD], -1.0e30, tl.float32)  # kept as vectors: loop-carried types stay simple
         l = tl.zeros([D_PAD], tl.float32)
         acc = tl.zeros([D_PAD], tl.float32)
@@ -193,7 +208,7 @@ if triton is not None:
             l = l * alpha + l_p * w
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)
-        tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        tl.store(out_ptr + tok * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @dataclass(frozen=True)
@@ -202,18 +217,26 @@ class TileConfig:
 
     prefill_rows: int  # query rows (tokens x padded group) per prefill program
     prefill_keys: int
+    prefill_warps: int
     decode_keys: int
-    num_warps: int
+    decode_warps: int
     num_stages: int
     target_programs: int  # decode programs wanted to fill the GPU (drives the split-K factor)
 
     @classmethod
-    def for_device(cls, device: torch.device, head_dim: int) -> "TileConfig":
+    def for_device(cls, device: torch.device, head_dim: int, dtype: torch.dtype) -> "TileConfig":
         if device.type != "cuda":
-            return cls(16, 16, 16, 1, 1, 1)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+            return cls(16, 16, 1, 16, 1, 1, 1)
+        return cls.for_gpu(head_dim, dtype, torch.cuda.get_device_properties(device).multi_processor_count)
+
+    @classmethod
+    def for_gpu(cls, head_dim: int, dtype: torch.dtype, num_sms: int) -> "TileConfig":
+        """Chosen so that ptxas reports no register spills on sm_90 (head dim 64 and 128); fp32 runs
+        IEEE dots for parity checks only and gets small tiles."""
         big = head_dim > 64
-        return cls(128, 64, 32 if big else 64, 8 if big else 4, 2, 2 * sms)
+        if dtype == torch.float32:
+            return cls(64, 32, 4, 32, 4, 2, 2 * num_sms)
+        return cls(128, 32 if big else 64, 8, 16 if big else 32, 4, 2, 2 * num_sms)
 
 
 def _kernel_flags(q: torch.Tensor) -> dict:
@@ -246,27 +269,40 @@ def _block_q(group: int, cfg: TileConfig) -> int:
 
 
 def prefill_tiles(query_lens: list[int], block_q: int) -> list[tuple[int, int]]:
-    """(sequence, first query) of every prefill tile; a sequence's later (longer) tiles first."""
-    return [(b, q0) for b, n in enumerate(query_lens) for q0 in reversed(range(0, n, block_q))]
+    """(sequence, first query) of every prefill tile (sequences with more than one query); a
+    sequence's later, longer-running tiles first."""
+    return [(b, q0) for b, n in enumerate(query_lens) if n > 1 for q0 in reversed(range(0, n, block_q))]
+
+
+class BatchPlan(NamedTuple):
+    """Launch metadata of a batch with prefill rows, built once from host lists (one H2D copy)."""
+
+    tiles: torch.Tensor  # int32 [2, num_tiles]: sequence, first query
+    decode_rows: torch.Tensor  # int32 [num_decode]: sequences with one query
+    num_tiles: int
+    num_decode: int
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, block_q: int, device: torch.device) -> "BatchPlan":
+        tiles = prefill_tiles(batch.query_lens_list, block_q)
+        decode = [b for b, n in enumerate(batch.query_lens_list) if n == 1]
+        flat = torch.tensor([b for b, _ in tiles] + [q0 for _, q0 in tiles] + decode, dtype=torch.int32)
+        flat = flat.to(device)
+        n = len(tiles)
+        return cls(flat[:2 * n].view(2, n), flat[2 * n:], n, len(decode))
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                  tiles: torch.Tensor, scale: float, cfg: TileConfig) -> torch.Tensor:
-    """Causal varlen attention of every query row in `batch` (decode rows are 1-token sequences).
-
-    `tiles` is the int32 [2, num_tiles] device tensor of prefill_tiles(batch.query_lens_list, block_q).
-    """
+                  plan: BatchPlan, scale: float, cfg: TileConfig, out: torch.Tensor) -> None:
+    """Causal varlen attention of the rows of sequences with more than one query, into `out`."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     group = q.shape[1] // num_kv_heads
-    out = torch.empty_like(q)
-    num_tiles = tiles.shape[1]
-    _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start_loc, tiles, num_tiles,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+    _prefill_kernel[(plan.num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start_loc, plan.tiles,
+        plan.num_tiles, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), batch.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], G_PAD=_pow2(group), BLOCK_Q=_block_q(group, cfg), D_PAD=_pow2(head_dim, 16),
-        BLOCK_N=cfg.prefill_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_kernel_flags(q))
-    return out
+        BLOCK_N=cfg.prefill_keys, num_warps=cfg.prefill_warps, num_stages=cfg.num_stages, **_kernel_flags(q))
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -277,33 +313,36 @@ def decode_partitions(num_seqs: int, num_kv_heads: int, max_blocks: int, block_s
     return max(1, min(wanted, useful, MAX_DECODE_PARTITIONS))
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, num_parts: int, cfg: TileConfig) -> torch.Tensor:
-    """One query token per sequence (q row b belongs to sequence b); FlashDecoding when num_parts > 1."""
-    num_seqs, num_heads, head_dim = q.shape
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                 num_parts: int, cfg: TileConfig, out: torch.Tensor, plan: BatchPlan | None = None) -> None:
+    """Single-query rows into `out`: every row of a decode-only batch (plan None, q row b is sequence
+    b), else plan.decode_rows. FlashDecoding when num_parts > 1."""
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
     d_pad = _pow2(head_dim, 16)
-    out = torch.empty_like(q)
+    num_rows = batch.num_seqs if plan is None else plan.num_decode
+    rows = batch.query_start_loc if plan is None else plan.decode_rows  # not read without GATHER
     split = num_parts > 1
-    partials = torch.empty((num_seqs, num_heads, num_parts, d_pad + 2) if split else (1,),
+    partials = torch.empty((num_rows, num_heads, num_parts, d_pad + 2) if split else (1,),
                            dtype=torch.float32, device=q.device)
-    _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
-        q, k_cache, v_cache, out, partials, block_tables, seq_lens, num_parts, scale * LOG2E, q.stride(0),
-        q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        G_PAD=_pow2(group, 16), D_PAD=d_pad, BLOCK_N=cfg.decode_keys, SPLIT=split, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_kernel_flags(q))
+    _decode_kernel[(num_rows, num_kv_heads, num_parts)](
+        q, k_cache, v_cache, out, partials, batch.block_tables, batch.seq_lens, rows, batch.query_start_loc,
+        num_parts, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), batch.block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group,
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], G_PAD=_pow2(group, 16), D_PAD=d_pad, BLOCK_N=cfg.decode_keys,
+        GATHER=plan is not None, num_warps=cfg.decode_warps, num_stages=cfg.num_stages,
+        **_kernel_flags(q))
     if split:
-        _reduce_kernel[(num_seqs, num_heads)](partials, out, num_parts, out.stride(0), out.stride(1),
-                                              NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad)
-    return out
+        _reduce_kernel[(num_rows, num_heads)](partials, out, rows, batch.query_start_loc, num_parts, out.stride(0),
+                                              out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+                                              GATHER=plan is not None)
 
 
 class TritonBackend:
-    """AttentionBackend for CUDA. Decode-only batches take the split-K decode kernel, whose launch
-    depends on shapes only, so CudaGraphRunner can capture it; any batch with a prefill chunk runs
-    every row through the varlen prefill kernel (a decode row is a one-token tile)."""
+    """AttentionBackend for CUDA. Single-query rows take the split-K decode kernel, rows of longer
+    chunks the varlen prefill kernel. A decode-only batch launches from shapes alone (no metadata
+    tensors), so CudaGraphRunner can capture it."""
 
     supports_cuda_graphs = True
 
@@ -312,7 +351,8 @@ class TritonBackend:
         if triton is None:
             raise RuntimeError("TritonBackend needs the triton package (pip install triton)")
         self.forced_partitions = decode_partitions
-        self._tiles: tuple[ForwardBatch, torch.Tensor] | None = None  # per-batch metadata, reused by layers
+        self._plan: tuple[ForwardBatch, BatchPlan] | None = None  # built for the first layer, reused by the rest
+        self._configs: dict[tuple, TileConfig] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
@@ -320,18 +360,25 @@ class TritonBackend:
             raise RuntimeError("TritonBackend on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         q = _last_dim_contiguous(q)
-        cfg = TileConfig.for_device(q.device, q.shape[-1])
-        if batch.is_decode_only:
+        cfg = self._config(q)
+        out = torch.empty_like(q)
+        plan = None if batch.is_decode_only else self._batch_plan(batch, q.shape[1] // k_cache.shape[2], cfg, q.device)
+        if plan is not None:
+            paged_prefill(q, k_cache, v_cache, batch, plan, scale, cfg, out)
+        num_decode = batch.num_seqs if plan is None else plan.num_decode
+        if num_decode:
             parts = self.forced_partitions or decode_partitions(
-                batch.num_seqs, k_cache.shape[2], batch.block_tables.shape[1], k_cache.shape[1], cfg.target_programs)
-            return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, parts, cfg)
-        tiles = self._prefill_tiles(batch, q, q.shape[1] // k_cache.shape[2], cfg)
-        return paged_prefill(q, k_cache, v_cache, batch, tiles, scale, cfg)
+                num_decode, k_cache.shape[2], batch.block_tables.shape[1], k_cache.shape[1], cfg.target_programs)
+            paged_decode(q, k_cache, v_cache, batch, scale, parts, cfg, out, plan)
+        return out
 
-    def _prefill_tiles(self, batch: ForwardBatch, q: torch.Tensor, group: int, cfg: TileConfig) -> torch.Tensor:
-        """Tile table built from host lists once per batch (one small copy, no device sync)."""
-        if self._tiles is None or self._tiles[0] is not batch:
-            tiles = prefill_tiles(batch.query_lens_list, _block_q(group, cfg))
-            table = torch.tensor([[b for b, _ in tiles], [q0 for _, q0 in tiles]], dtype=torch.int32)
-            self._tiles = (batch, table.to(q.device))
-        return self._tiles[1]
+    def _config(self, q: torch.Tensor) -> TileConfig:
+        key = (q.device, q.shape[-1], q.dtype)
+        if key not in self._configs:
+            self._configs[key] = TileConfig.for_device(q.device, q.shape[-1], q.dtype)
+        return self._configs[key]
+
+    def _batch_plan(self, batch: ForwardBatch, group: int, cfg: TileConfig, device: torch.device) -> BatchPlan:
+        if self._plan is None or self._plan[0] is not batch:
+            self._plan = (batch, BatchPlan.build(batch, _block_q(group, cfg), device))
+        return self._plan[1]

@@ -1,0 +1,29 @@
+"""The GPU modules import on machines without triton or CUDA (CI, the CPU path)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import sys
+sys.modules["triton"] = None  # as if it were not installed
+import ferrylm.model.attention.triton as t
+import ferrylm.model.cuda_graphs
+assert not t.triton_available()
+try:
+    t.TritonBackend()
+except RuntimeError as e:
+    assert "triton" in str(e)
+else:
+    raise SystemExit("TritonBackend() should raise without triton")
+print("ok")
+"""
+
+
+def test_modules_import_and_backend_refuses_without_triton():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
