@@ -50,8 +50,10 @@ class HFBaseline:
         from transformers import AutoModelForCausalLM
 
         source = resolve_model("smollm2-135m")
+        start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.path.name,
                                                           dtype=dtype).eval()
+        self.load_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new: list[int], batch_size: int) -> tuple[int, float]:
@@ -91,7 +93,7 @@ def workload_a(llm, hf, tokens, rng, args, rows):
     if hf:
         k = args.hf_requests
         hn, hdt = hf.generate(prompts[:k], news[:k], 16)
-        row["transformers"] = f"{hn / hdt:.0f} out tok/s (first {k} requests)"
+        row["baseline"] = f"transformers: {hn / hdt:.0f} out tok/s (first {k} requests, static batch 16)"
         row["ratio"] = f"{(n / dt) / (hn / hdt):.1f}x"
     rows.append(row)
 
@@ -103,7 +105,7 @@ def workload_b(llm, hf, tokens, rng, args, rows):
     row = {"workload": "(b) single stream, 128 tokens", "ferrylm": f"{n / dt:.1f} tok/s"}
     if hf:
         hn, hdt = hf.generate(prompt, [128], 1)
-        row |= {"transformers": f"{hn / hdt:.1f} tok/s", "ratio": f"{(n / dt) / (hn / hdt):.1f}x"}
+        row |= {"baseline": f"transformers: {hn / hdt:.1f} tok/s", "ratio": f"{(n / dt) / (hn / hdt):.1f}x"}
     rows.append(row)
 
 
@@ -114,7 +116,7 @@ def workload_c(llm, hf, tokens, rng, args, rows):
     row = {"workload": "(c) TTFT, 500-token prompt", "ferrylm": f"{t:.3f} s"}
     if hf:
         _, hdt = hf.generate([prompt], [1], 1)
-        row |= {"transformers": f"{hdt:.3f} s", "ratio": f"{hdt / t:.1f}x faster"}
+        row |= {"baseline": f"transformers: {hdt:.3f} s", "ratio": f"{hdt / t:.1f}x faster"}
     rows.append(row)
 
 
@@ -135,7 +137,7 @@ def workload_d(llm, hf, tokens, rng, args, rows):
     (cold_tok, cold_t), (warm_tok, warm_t) = results[False], results[True]
     rows.append({"workload": "(d) 1000-token shared prefix x32",
                  "ferrylm": f"cache on: {warm_tok} prefill tok, {warm_t:.2f} s",
-                 "transformers": f"cache off: {cold_tok} prefill tok, {cold_t:.2f} s",
+                 "baseline": f"cache off: {cold_tok} prefill tok, {cold_t:.2f} s",
                  "ratio": f"{cold_t / warm_t:.1f}x faster, {1 - warm_tok / cold_tok:.0%} prefill saved"})
 
 
@@ -149,7 +151,7 @@ WORKLOADS = {"a": workload_a, "b": workload_b, "c": workload_c, "d": workload_d,
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["workload", "ferrylm", "transformers", "ratio"]
+    cols = ["workload", "ferrylm", "baseline", "ratio"]
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     line = " | ".join(c.ljust(w) for c, w in zip(cols, widths))
     print(line)
@@ -171,11 +173,14 @@ def main() -> int:
     rng = random.Random(0)
     t0 = time.perf_counter()
     llm = LLM("smollm2-135m", dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024)
+    load_s = time.perf_counter() - t0
     print(f"load: {time.perf_counter() - t0:.1f} s, dtype {llm.engine.runner.dtype}, "
           f"threads {torch.get_num_threads()}", flush=True)
     hf = None if args.no_hf else HFBaseline(getattr(torch, args.hf_dtype))
     tokens = corpus_tokens(llm.get_tokenizer())
-    rows: list[dict] = []
+    rows: list[dict] = [{"workload": "model load (weights + tokenizer)", "ferrylm": f"{load_s:.1f} s"}]
+    if hf:
+        rows[0] |= {"baseline": f"transformers: {hf.load_seconds:.1f} s (weights only)"}
     for key in args.only.split(","):
         WORKLOADS[key](llm, hf, tokens, rng, args, rows)
         print(rows[-1], flush=True)

@@ -4,10 +4,12 @@ request gets an asyncio queue of RequestOutputs; cancelling the consumer aborts 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from ferrylm.engine.engine import Engine, EngineStats
 from ferrylm.outputs import RequestOutput
@@ -20,16 +22,38 @@ class EngineDeadError(RuntimeError):
     """The engine loop crashed; the server answers 503 until restarted."""
 
 
+class _Add(NamedTuple):
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    loop: asyncio.AbstractEventLoop
+    admitted: asyncio.Future
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None) -> None:
+    """Complete `future` from the engine thread (it may have been cancelled meanwhile)."""
+
+    def done() -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(None)
+
+    loop.call_soon_threadsafe(done)
+
+
 class AsyncEngine:
     """Thread-backed engine loop. Torch releases the GIL in kernels, so the event loop stays responsive.
 
     A thread (not a process) because outputs then need no serialisation and the CPU forward pass
     already releases the GIL; a step costs tens of milliseconds, the hand-off microseconds.
+    Callers never take the engine lock: adds and aborts are queued and applied by the loop thread
+    between steps (as vLLM's engine core does), so the event loop never waits for a step.
     """
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.5):
         self.engine = engine
-        self._lock = threading.Lock()  # guards every Engine call (the engine is not thread-safe)
+        self._lock = threading.Lock()  # held by the loop around each step; for tests and tools
+        self._commands: collections.deque[_Add | str] = collections.deque()  # adds and abort ids, in order
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -68,24 +92,30 @@ class AsyncEngine:
         return self._stats
 
     # -- requests ------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs; raises RequestRejected / SamplingParamsError at once.
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Admit a request and return its output stream; raises RequestRejected / SamplingParamsError.
 
-        If the consumer stops early (client gone, task cancelled) the request is aborted and its
-        KV blocks are freed.
+        Closing the stream before it finished (client gone, task cancelled) aborts the request and
+        frees its KV blocks.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}")
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        admitted = loop.create_future()
+        self._queues[request_id] = (loop, queue)
+        self._commands.append(_Add(request_id, prompt, params, priority, loop, admitted))
+        self._wake.set()
         try:
-            with self._lock:
-                self.engine.add_request(request_id, prompt, params, priority)
+            await admitted
         except BaseException:
             self._queues.pop(request_id, None)
+            self.abort(request_id)  # no-op if it was rejected; needed if we were cancelled
             raise
-        self._wake.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -101,10 +131,37 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate: rejections surface at the first iteration."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
-            self._stats = self.engine.stats()
+        """Cancel a request from any thread without blocking; applied before the next step. A stream
+        still reading gets a final output with finish_reason "abort"."""
+        self._commands.append(request_id)
+        self._wake.set()
+
+    def _apply_commands(self) -> None:
+        """Admit queued requests and apply aborts, in arrival order (loop thread, under the lock)."""
+        while self._commands:
+            command = self._commands.popleft()
+            if isinstance(command, str):
+                out = self.engine.abort(command)
+                if out is not None:
+                    self._deliver([out])
+                continue
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.priority)
+            except Exception as e:  # noqa: BLE001 - a rejection belongs to the caller, not the loop
+                _resolve(command.loop, command.admitted, e)
+            else:
+                _resolve(command.loop, command.admitted, None)
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -114,11 +171,12 @@ class AsyncEngine:
                 if self._stall_until > time.monotonic():
                     time.sleep(self._stall_until - time.monotonic())
                     continue
-                if not self.engine.has_unfinished_requests():
+                if not self._commands and not self.engine.has_unfinished_requests():
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
                 with self._lock:
+                    self._apply_commands()
                     outputs = self.engine.step()
                     self._stats = self.engine.stats()
                 self._deliver(outputs)
@@ -127,6 +185,10 @@ class AsyncEngine:
             self.error = e
             for loop, queue in list(self._queues.values()):
                 loop.call_soon_threadsafe(queue.put_nowait, e)
+            while self._commands:
+                command = self._commands.popleft()
+                if isinstance(command, _Add):
+                    _resolve(command.loop, command.admitted, EngineDeadError(f"engine loop died: {e!r}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -102,10 +103,11 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        for token_id in list(params.logit_bias or {}) + list(params.stop_token_ids):
-            if not 0 <= int(token_id) < self.vocab_size:
-                raise SamplingParamsError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})",
-                                          "logit_bias")
+        for param, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            for token_id in ids:
+                if not 0 <= int(token_id) < self.vocab_size:
+                    raise SamplingParamsError(
+                        f"token id {token_id} in {param} is outside the vocabulary (size {self.vocab_size})", param)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its KV blocks are freed immediately."""
@@ -161,11 +163,12 @@ class Engine:
         tracked.text += text_delta
         completion = CompletionOutput(
             index=0, text=tracked.text, token_ids=req.output_token_ids, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, logprobs=tracked.logprobs,
+            stop_reason=req.stop_reason, logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
             cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
             text_delta=text_delta, token_ids_delta=token_delta)
+        # Copies: the consumer may read these on another thread while the engine keeps stepping.
         return RequestOutput(req.request_id, tracked.prompt, req.prompt_token_ids, [completion], req.is_finished,
-                             req.num_cached_tokens, req.metrics)
+                             req.num_cached_tokens, dataclasses.replace(req.metrics))
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()

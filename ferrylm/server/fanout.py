@@ -21,8 +21,8 @@ from ferrylm.sampling_params import SamplingParams
 class EngineClient(Protocol):
     """What the server needs of the engine (AsyncEngine implements it)."""
 
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]: ...
 
 
 class SequenceObserver(Protocol):
@@ -64,49 +64,46 @@ class Fanout:
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.last: dict[int, RequestOutput] = {}
-        self.aborted = False
 
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
     async def start(self) -> None:
-        """Submit every engine request; raises what the engine rejected at once (RequestRejected...).
-
-        AsyncEngine.generate submits on its first step, so one pass of the event loop after
-        creating the pumps is enough for a rejection to have surfaced.
-        """
+        """Submit every engine request; raises what the engine rejected (RequestRejected...), after
+        aborting the siblings that were admitted."""
         if self._registry is not None:
             self._registry.add(self)
-        for index in range(self.num_choices):
-            params = child_params(self._params, index % self.n)
-            prompt = self.prompts[index // self.n]
-            self._tasks.append(asyncio.create_task(self._pump(index, prompt, params)))
-        await asyncio.sleep(0)
-        failed = next((t for t in self._tasks if t.done() and not t.cancelled() and t.exception()), None)
+        jobs = [(index, child_params(self._params, index % self.n), self.prompts[index // self.n])
+                for index in range(self.num_choices)]
+        streams = await asyncio.gather(
+            *(self._client.add_request(f"{self.request_id}-{i}", prompt, params, self._priority)
+              for i, params, prompt in jobs), return_exceptions=True)
+        failed = next((s for s in streams if isinstance(s, BaseException)), None)
         if failed is not None:
-            await self.aclose()
-            raise failed.exception()
+            await asyncio.gather(*(s.aclose() for s in streams if not isinstance(s, BaseException)))
+            if self._registry is not None:
+                self._registry.discard(self)
+            raise failed
+        self._tasks = [asyncio.create_task(self._pump(i, stream)) for (i, _, _), stream in zip(jobs, streams)]
 
-    async def _pump(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
         observer = self._observer_factory() if self._observer_factory else None
-        stream = self._client.generate(f"{self.request_id}-{index}", prompt, params, self._priority)
-        finished = False
         try:
             async for out in stream:
                 if observer is not None:
                     observer.on_output(out, time.monotonic())
-                finished = out.finished
                 self._queue.put_nowait(_Item(index, out, None))
         except asyncio.CancelledError:
+            if observer is not None:
+                observer.on_abort()  # no-op if it had finished
             self._queue.put_nowait(_Item(index, None, None))
             raise
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which answers the client
             self._queue.put_nowait(_Item(index, None, e))
             raise
         finally:
-            if observer is not None and not finished:
-                observer.on_abort()
+            await stream.aclose()
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (choice index, output) until every sequence finished; aborted ones end with ABORT."""
@@ -133,7 +130,6 @@ class Fanout:
 
     def abort(self) -> None:
         """End every unfinished sequence now (server draining); the stream reports them as aborted."""
-        self.aborted = True
         for task in self._tasks:
             task.cancel()
 

@@ -133,6 +133,9 @@ async def stream_chat(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str
         _log_finished(ctx, fanout, finals, stream=True)
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band like OpenAI
         yield _stream_error(ctx, e)
+    except BaseException:  # closed or cancelled: the client went away (or the server is stopping)
+        log.info("stream closed early; request aborted", extra={"request_id": ctx.request_id})
+        raise
     finally:
         await fanout.aclose()
     yield DONE
@@ -203,6 +206,9 @@ async def stream_completion(ctx: ResponseContext, fanout: Fanout) -> AsyncIterat
         _log_finished(ctx, fanout, finals, stream=True)
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band like OpenAI
         yield _stream_error(ctx, e)
+    except BaseException:  # closed or cancelled: the client went away (or the server is stopping)
+        log.info("stream closed early; request aborted", extra={"request_id": ctx.request_id})
+        raise
     finally:
         await fanout.aclose()
     yield DONE

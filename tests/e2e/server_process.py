@@ -33,8 +33,8 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        base_env = {k: v for k, v in os.environ.items() if k not in ("FERRYLM_API_KEY", "FERRYLM_TEST_HOOKS")}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**base_env, **(env or {})})
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

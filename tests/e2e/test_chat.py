@@ -7,8 +7,8 @@ import json
 import httpx
 import pytest
 
-from ferrylm.sampling_params import SamplingParams
 from tests.conftest import requires_smollm2
+from tests.e2e import offline as offline_llm
 
 pytestmark = requires_smollm2
 
@@ -20,18 +20,12 @@ CONVERSATIONS = [
 ]
 
 
-def flatten(messages):
-    """Text content parts joined by newlines, as the server does (the offline LLM takes strings)."""
-    return [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
-             else "\n".join(p["text"] for p in m["content"])} for m in messages]
-
-
 def offline(llm, messages, **params):
-    return llm.chat(flatten(messages), SamplingParams(**params), use_tqdm=False)[0]
+    return offline_llm.chat(llm, [messages], **params)[0]
 
 
 def prompt_len(llm, messages) -> int:
-    return len(llm.get_tokenizer().apply_chat_template(flatten(messages)))
+    return len(llm.get_tokenizer().apply_chat_template(offline_llm.flatten(messages)))
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)

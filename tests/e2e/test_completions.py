@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ferrylm.sampling_params import SamplingParams
 from tests.conftest import requires_smollm2
+from tests.e2e import offline
 
 pytestmark = requires_smollm2
 
@@ -12,7 +12,7 @@ PROMPTS = ["The sea is", "def fibonacci(n):"]
 
 
 def test_greedy_batch_matches_offline(client, llm_fp32):
-    expected = llm_fp32.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    expected = offline.generate(llm_fp32, PROMPTS, temperature=0.0, max_tokens=16)
     resp = client.completions.create(model=MODEL, prompt=PROMPTS, temperature=0, max_tokens=16, n=2)
     assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
@@ -24,8 +24,7 @@ def test_greedy_batch_matches_offline(client, llm_fp32):
 
 def test_stream_token_prompt_with_usage(client, llm_fp32):
     ids = llm_fp32.get_tokenizer().encode(PROMPTS[0])
-    expected = llm_fp32.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=16),
-                                 use_tqdm=False)[0]
+    expected = offline.generate(llm_fp32, [{"prompt_token_ids": ids}], temperature=0.0, max_tokens=16)[0]
     chunks = list(client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=16, stream=True,
                                             stream_options={"include_usage": True}))
     assert len({c.id for c in chunks}) == 1
@@ -37,10 +36,9 @@ def test_stream_token_prompt_with_usage(client, llm_fp32):
 
 
 def test_echo_and_stop(client, llm_fp32):
-    full = llm_fp32.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+    full = offline.generate(llm_fp32, [PROMPTS[0]], temperature=0.0, max_tokens=16)[0]
     stop = full.outputs[0].text.split()[2]
-    expected = llm_fp32.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=16, stop=[stop]),
-                                 use_tqdm=False)[0]
+    expected = offline.generate(llm_fp32, [PROMPTS[0]], temperature=0.0, max_tokens=16, stop=[stop])[0]
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=16, stop=[stop],
                                      echo=True)
     assert resp.choices[0].text == PROMPTS[0] + expected.outputs[0].text

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ferrylm.sampling_params import SamplingParams
 from tests.conftest import requires_smollm2
+from tests.e2e import offline
 
 pytestmark = requires_smollm2
 
@@ -37,7 +37,7 @@ def test_64_concurrent_streams(api_server, llm_fp32):
     results = asyncio.run(run_all(api_server))
     conversations = [[{"role": "user", "content": f"Tell me one fact about the number {i}."}]
                      for i in range(NUM_CLIENTS)]
-    expected = llm_fp32.chat(conversations, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    expected = offline.chat(llm_fp32, conversations, temperature=0.0, max_tokens=MAX_TOKENS)
     assert [r[0] for r in results] == [e.outputs[0].text for e in expected]
     assert all(r[1] == e.outputs[0].finish_reason.value for r, e in zip(results, expected))
     assert len({next(iter(r[2])) for r in results}) == NUM_CLIENTS and all(len(r[2]) == 1 for r in results)

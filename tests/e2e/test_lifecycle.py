@@ -19,14 +19,36 @@ pytestmark = requires_smollm2
 KEY = "sk-test-lifecycle"
 
 
+def _statuses_while_loading(proc: ServerProcess) -> dict[str, int]:
+    """/health, /ready and a chat request at the first moment the server answers (it listens before
+    the model has loaded)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            health = httpx.get(proc.url("/health"), timeout=10).status_code
+        except httpx.HTTPError:
+            time.sleep(0.05)
+            continue
+        chat = httpx.post(proc.url("/v1/chat/completions"), headers=proc.headers(), timeout=10,
+                          json={"messages": [{"role": "user", "content": "Hi"}]})
+        return {"health": health, "ready": httpx.get(proc.url("/ready"), timeout=10).status_code,
+                "chat": chat.status_code, "chat_code": chat.json()["error"]["code"]}
+    raise TimeoutError(proc.log_tail())
+
+
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess("--model", "smollm2-135m", "--ready-timeout", "1", "--heartbeat-timeout", "2",
                          "--drain-timeout", "60", "--served-model-name", "smol", "smollm2-135m",
                          env={"FERRYLM_TEST_HOOKS": "1"}, api_key=KEY)
+    proc.while_loading = _statuses_while_loading(proc)
     proc.wait_ready()
     yield proc
     proc.stop()
+
+
+def test_live_but_not_ready_while_loading(server):
+    assert server.while_loading == {"health": 200, "ready": 503, "chat": 503, "chat_code": "model_loading"}
 
 
 def test_api_key_required_on_v1_only(server):
