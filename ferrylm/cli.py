@@ -72,6 +72,36 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="/health fails when the engine loop has been silent this long")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("gateway (auth, rate limits, quotas, admission control, audit)")
+    g.add_argument("--require-auth", action="store_true", help="401 without a valid API key or JWT")
+    g.add_argument("--no-gateway", action="store_true", help="no admission control, limits or audit at all")
+    g.add_argument("--state-db", default=os.environ.get("FERRYLM_STATE_DB", "sqlite:///ferrylm-state.db"),
+                   help="SQLAlchemy URL for tenants, keys, usage and audit")
+    g.add_argument("--redis-url", default=None, help="share rate limits between gateway replicas")
+    g.add_argument("--jwt-secret", default=os.environ.get("FERRYLM_JWT_SECRET"), help="accept HS256 JWTs")
+    g.add_argument("--jwt-public-key", default=None, help="PEM file: accept RS256/ES256 JWTs")
+    g.add_argument("--jwks-file", default=None, help="JWKS file: accept RS256/ES256 JWTs")
+    g.add_argument("--jwt-issuer", default=None)
+    g.add_argument("--jwt-audience", default=None)
+    g.add_argument("--jwt-tenant-claim", default="tenant")
+    g.add_argument("--audit-prompts", action="store_true", help="store prompt text in the audit log")
+
+
+def gateway_config_from_args(args: argparse.Namespace):
+    """The GatewayConfig the serve flags describe (None with --no-gateway)."""
+    from pathlib import Path
+
+    from ferrylm.gateway.config import GatewayConfig, JWTConfig
+
+    if args.no_gateway:
+        return None
+    jwt = None
+    if args.jwt_secret or args.jwt_public_key or args.jwks_file:
+        pem = Path(args.jwt_public_key).read_text() if args.jwt_public_key else None
+        jwt = JWTConfig(secret=args.jwt_secret, public_key_pem=pem, jwks_file=args.jwks_file,
+                        issuer=args.jwt_issuer, audience=args.jwt_audience, tenant_claim=args.jwt_tenant_claim)
+    return GatewayConfig(require_auth=args.require_auth, state_db=args.state_db, jwt=jwt, redis_url=args.redis_url,
+                         audit_prompts=args.audit_prompts)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -85,7 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or [args.model]), host=args.host, port=args.port,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
         ready_timeout_s=args.ready_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-        test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level)
+        test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
+        gateway=gateway_config_from_args(args))
     return run_server(config, lambda: Engine.from_config(engine_config))
 
 
@@ -106,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     _add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    from ferrylm.gateway.cli import add_gateway_commands
+
+    add_gateway_commands(sub)
     return parser
 
 

@@ -5,6 +5,7 @@ fanout.py runs the engine requests, serving.py shapes the answer."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -15,7 +16,9 @@ from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import inputs, serving
+from ferrylm.gateway.errors import GatewayError
+from ferrylm.gateway.http import error_response
+from ferrylm.server import gatekeeping, inputs, serving
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.body import read_json_body
 from ferrylm.server.config import ServerConfig
@@ -44,11 +47,11 @@ def _request_id(request: Request, prefix: str) -> str:
 
 
 async def _start(state: ServerState, engine: AsyncEngine, ctx: ResponseContext, prompts: list[list[int]],
-                 params: SamplingParams, req: SamplingRequest) -> Fanout:
+                 params: SamplingParams, req: SamplingRequest, priority: int) -> Fanout:
     log.info("request", extra={"request_id": ctx.request_id, "model": ctx.model, "n": params.n,
                                "prompt_tokens": [len(p) for p in prompts], "max_tokens": params.max_tokens,
                                "stream": bool(req.stream), "user": req.user})
-    fanout = Fanout(engine, ctx.request_id, prompts, params, req.priority or 0,
+    fanout = Fanout(engine, ctx.request_id, prompts, params, priority,
                     observer_factory=lambda: SequenceTimer(state.metrics, ctx.start), registry=state.drain)
     try:
         await fanout.start()
@@ -59,19 +62,37 @@ async def _start(state: ServerState, engine: AsyncEngine, ctx: ResponseContext, 
     return fanout
 
 
-async def _respond(request: Request, ctx: ResponseContext, fanout: Fanout, stream: bool,
-                   streamer: Callable, shaper: Callable) -> Response:
-    """SSE for stream=true; otherwise run to the end (aborting if the client leaves) and shape JSON."""
-    if stream:
-        return SSEResponse(streamer(ctx, fanout), headers=SSE_HEADERS)
+async def _serve(request: Request, state: ServerState, engine: AsyncEngine, ctx: ResponseContext,
+                 prompts: list[list[int]], params: SamplingParams, req: SamplingRequest, streamer: Callable,
+                 shaper: Callable) -> Response:
+    """Gateway admission → engine → SSE or JSON; the gateway settles once the response ends."""
+    started = time.monotonic()
+    admission = await gatekeeping.admit(request, state, engine, ctx.request_id, ctx.model, prompts, params,
+                                        engine.engine.max_model_len)
+    headers = admission.response_headers if admission is not None else {}
+    try:
+        fanout = await _start(state, engine, ctx, prompts, params, req,
+                              gatekeeping.priority(state, admission, req.priority))
+    except APIError as e:
+        await gatekeeping.finish(state, admission, e.status, None, started)
+        raise
+    if req.stream:
+        events = gatekeeping.finishing(streamer(ctx, fanout), state, admission, fanout, started)
+        return SSEResponse(events, headers=SSE_HEADERS | headers)
+    status = 500
     try:
         finals = await cancel_on_disconnect(request, serving.collect(fanout))
+        status = 200
     except ClientDisconnected:
+        status = 499
         log.info("client disconnected; request aborted", extra={"request_id": ctx.request_id})
         return Response(status_code=499)
     except EngineDeadError:
+        status = 503
         raise APIError(503, "The engine stopped; retry on another replica.", code="engine_dead") from None
-    return JSONResponse(shaper(ctx, fanout, finals).model_dump())
+    finally:
+        await gatekeeping.finish(state, admission, status, fanout, started)
+    return JSONResponse(shaper(ctx, fanout, finals).model_dump(), headers=headers)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -86,8 +107,8 @@ async def chat_completions(request: Request) -> Response:
     inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "messages")
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage))
-    fanout = await _start(state, engine, ctx, [prompt], params, req)
-    return await _respond(request, ctx, fanout, bool(req.stream), serving.stream_chat, serving.chat_response)
+    return await _serve(request, state, engine, ctx, [prompt], params, req, serving.stream_chat,
+                        serving.chat_response)
 
 
 async def completions(request: Request) -> Response:
@@ -105,9 +126,8 @@ async def completions(request: Request) -> Response:
             for p in prompts] if req.echo else None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage), echo)
-    fanout = await _start(state, engine, ctx, prompts, params, req)
-    return await _respond(request, ctx, fanout, bool(req.stream), serving.stream_completion,
-                          serving.completion_response)
+    return await _serve(request, state, engine, ctx, prompts, params, req, serving.stream_completion,
+                        serving.completion_response)
 
 
 async def list_models(request: Request) -> ModelList:
@@ -161,6 +181,7 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> Fas
     app.state.ferry = state
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
+    app.add_exception_handler(GatewayError, lambda _request, e: error_response(e))
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     v1.add_api_route("/chat/completions", chat_completions, methods=["POST"])
     v1.add_api_route("/completions", completions, methods=["POST"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ferrylm.config import ConfigError
+from ferrylm.gateway.config import GatewayConfig
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class ServerConfig:
     heartbeat_timeout_s: float = 30.0  # /health: an engine loop silent for longer is wedged
     test_hooks: bool = False  # expose /debug/* (env FERRYLM_TEST_HOOKS=1); never in production
     log_level: str = "info"
+    gateway: GatewayConfig | None = None  # auth, rate limits, quotas, admission control, audit
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

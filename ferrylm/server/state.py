@@ -37,6 +37,11 @@ class ServerState:
         self.drain = DrainController()
         self.metrics = ServerMetrics(config.model_name, self._stats)
         self._load_task: asyncio.Task | None = None
+        self.gateway = None
+        if config.gateway is not None:
+            from ferrylm.gateway.policy import Gateway
+
+            self.gateway = Gateway(config.gateway)
 
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
@@ -50,6 +55,8 @@ class ServerState:
             self._load_task.cancel()
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.shutdown)
+            if self.gateway is not None:
+                self.gateway.close()
 
     async def _load(self) -> None:
         start = time.monotonic()

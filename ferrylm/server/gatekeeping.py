@@ -1,0 +1,82 @@
+"""The seam between the HTTP handlers and the gateway: admit before any engine work, finish
+(settle limits, charge quotas, audit) once the response ends however it ends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from ferrylm.engine.async_engine import AsyncEngine
+from ferrylm.gateway.policy import Admission
+from ferrylm.sampling_params import SamplingParams
+from ferrylm.server.fanout import Fanout
+from ferrylm.server.state import ServerState
+
+
+async def admit(request: Request, state: ServerState, engine: AsyncEngine, request_id: str, model: str,
+                prompts: list[list[int]], params: SamplingParams, max_model_len: int) -> Admission | None:
+    """Auth, rate limits, quotas and load shedding; raises GatewayError (401/403/429/503) at once."""
+    if state.gateway is None:
+        return None
+    longest = max(len(p) for p in prompts)
+    per_choice = params.max_tokens if params.max_tokens is not None else max_model_len - longest
+    client = request.client.host if request.client else None
+    return await state.gateway.admit(
+        request.headers, client, model, sum(len(p) for p in prompts) * params.n,
+        per_choice * params.n * len(prompts), engine.stats(), request_id=request_id,
+        engine_healthy=engine.is_running)
+
+
+def priority(state: ServerState, admission: Admission | None, requested: int | None) -> int:
+    """With auth on, the tenant's tier decides the priority (clients cannot jump the queue)."""
+    if admission is not None and state.gateway.config.require_auth:
+        return admission.priority
+    return requested or 0
+
+
+def usage(fanout: Fanout) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of what the fanout has produced so far."""
+    prompt = sum(len(p) for p in fanout.prompts) * fanout.n
+    completion = sum(len(out.outputs[0].token_ids) for out in fanout.last.values())
+    return prompt, completion
+
+
+async def finish(state: ServerState, admission: Admission | None, status: int, fanout: Fanout | None,
+                 started: float) -> None:
+    if admission is None:
+        return
+    prompt, completion = usage(fanout) if fanout is not None else (admission.prompt_tokens, 0)
+    await state.gateway.finish(admission, status, prompt, completion, time.monotonic() - started)
+
+
+class finishing:  # noqa: N801 - used like the async generator it replaces
+    """Pass SSE events through; when the stream ends, settle with the tokens really produced
+    (200 if it ran to the end, 499 if the client left first). A class, not an async generator,
+    so that closing it settles even if it was never started (client gone before the first byte)."""
+
+    def __init__(self, stream: AsyncIterator[str], state: ServerState, admission: Admission | None,
+                 fanout: Fanout, started: float):
+        self._stream, self._state, self._admission = stream, state, admission
+        self._fanout, self._started = fanout, started
+        self._settled = False
+
+    def __aiter__(self) -> "finishing":
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self._stream.__anext__()
+        except StopAsyncIteration:
+            await self._settle(200)
+            raise
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+        await self._settle(499)
+
+    async def _settle(self, status: int) -> None:
+        if not self._settled:
+            self._settled = True
+            await finish(self._state, self._admission, status, self._fanout, self._started)
