@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -54,6 +55,9 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()  # held by the loop around each step; for tests and tools
         self._commands: collections.deque[_Add | str] = collections.deque()  # adds and abort ids, in order
+        self._pending_lock = threading.Lock()  # guards only the two counters below
+        self._pending_adds = 0
+        self._pending_tokens = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -88,8 +92,19 @@ class AsyncEngine:
         self._wake.set()
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the last step (no lock: never blocks the caller)."""
-        return self._stats
+        """The snapshot taken after the last step, plus requests queued for admission since (so a
+        burst is visible to admission control before the loop gets to it). Never blocks on a step."""
+        with self._pending_lock:
+            pending, tokens = self._pending_adds, self._pending_tokens
+        if not pending:
+            return self._stats
+        return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + pending,
+                                   num_waiting_prompt_tokens=self._stats.num_waiting_prompt_tokens + tokens)
+
+    def _count_pending(self, command: _Add, sign: int) -> None:
+        with self._pending_lock:
+            self._pending_adds += sign
+            self._pending_tokens += sign * (len(command.prompt) if isinstance(command.prompt, list) else 0)
 
     # -- requests ------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -105,7 +120,9 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         admitted = loop.create_future()
         self._queues[request_id] = (loop, queue)
-        self._commands.append(_Add(request_id, prompt, params, priority, loop, admitted))
+        command = _Add(request_id, prompt, params, priority, loop, admitted)
+        self._count_pending(command, +1)
+        self._commands.append(command)
         self._wake.set()
         try:
             await admitted
@@ -156,6 +173,7 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver([out])
                 continue
+            self._count_pending(command, -1)
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority)
             except Exception as e:  # noqa: BLE001 - a rejection belongs to the caller, not the loop
