@@ -48,6 +48,8 @@ def engine_like(llm, **overrides):
     from ferrylm.engine.engine import Engine
 
     base = llm.engine
+    # The sibling writes into the same KV tensors: the base engine's cached prefixes become stale.
+    base.block_manager.reset_prefix_cache()
     cache_keys = {"num_blocks", "enable_prefix_caching"}
     config = base.config.with_cache(**{k: v for k, v in overrides.items() if k in cache_keys})
     config = config.with_scheduler(**{k: v for k, v in overrides.items() if k not in cache_keys})
