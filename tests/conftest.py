@@ -66,3 +66,22 @@ def run_to_completion(engine, check=False) -> dict[str, list[int]]:
         if check:
             engine.scheduler.check_invariants()
     return done
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers greedy continuation of each prompt, run alone (no padding), EOS ignored."""
+    import torch
+
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2)
+            outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def chat_prompt_ids(llm, questions: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat, through the model's chat template."""
+    tok = llm.get_tokenizer()
+    return [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]

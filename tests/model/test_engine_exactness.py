@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ferrylm import SamplingParams
-from tests.conftest import engine_like, requires_smollm2, run_to_completion
+from tests.conftest import chat_prompt_ids, engine_like, hf_greedy, requires_smollm2, run_to_completion
 from tests.model.prompts import LONG_CONTEXT, SIXTEEN_PROMPTS
 
 pytestmark = requires_smollm2
@@ -17,19 +16,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def prompts16(llm_fp32):
-    tok = llm_fp32.get_tokenizer()
-    return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in SIXTEEN_PROMPTS]
+    return chat_prompt_ids(llm_fp32, SIXTEEN_PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def reference16(hf_reference, prompts16):
-    outs = []
-    with torch.no_grad():
-        for ids in prompts16:
-            gen = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=2)
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
+    return hf_greedy(hf_reference, prompts16, NEW)
 
 
 def _submit_all(engine, prompts):

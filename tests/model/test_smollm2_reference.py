@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ferrylm import SamplingParams
-from tests.conftest import requires_smollm2
+from tests.conftest import chat_prompt_ids, hf_greedy, requires_smollm2
 from tests.model.prompts import CHAT_PROMPTS
 
 pytestmark = requires_smollm2
@@ -16,21 +16,12 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def prompt_ids(llm_fp32):
-    tok = llm_fp32.get_tokenizer()
-    return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    return chat_prompt_ids(llm_fp32, CHAT_PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def reference_tokens(hf_reference, prompt_ids):
-    """transformers greedy continuation of each prompt, alone (no padding)."""
-    outs = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            gen = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                        pad_token_id=2)
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
+    return hf_greedy(hf_reference, prompt_ids, NEW_TOKENS)
 
 
 def test_prompts_cover_short_and_long(prompt_ids):
