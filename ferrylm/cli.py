@@ -17,6 +17,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the KV pool (CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and the KV pool (CUDA)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
 
@@ -26,6 +28,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len))
