@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -118,25 +118,43 @@ def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput) -> list[s
     return events
 
 
-async def stream_chat(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+def stream_chat(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
     """`chat.completion.chunk` events for a started Fanout; closes it however the stream ends."""
+    return _guarded(ctx, fanout, _chat_events(ctx, fanout))
+
+
+async def _chat_events(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+    for i in range(fanout.num_choices):
+        yield _chat_chunk(ctx, ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+    async for index, out in fanout:
+        for event in _chat_deltas(ctx, index, out):
+            yield event
+    for event in _closing_events(ctx, fanout, lambda u: ChatCompletionChunk(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=u)):
+        yield event
+
+
+def _closing_events(ctx: ResponseContext, fanout: Fanout, usage_chunk: Callable) -> list[str]:
+    """After every choice finished: the usage chunk when asked for, and the request's log line."""
+    finals = [fanout.last[i] for i in range(fanout.num_choices)]
+    events = [sse(usage_chunk(usage(fanout, finals)))] if ctx.include_usage else []
+    _log_finished(ctx, fanout, finals, stream=True)
+    return events
+
+
+async def _guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE skeleton both endpoints share: a failure is reported in-band (the status line is
+    already sent, as OpenAI does), the fanout is closed however the stream ends, [DONE] comes last."""
     try:
-        for i in range(fanout.num_choices):
-            yield _chat_chunk(ctx, ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-        async for index, out in fanout:
-            for event in _chat_deltas(ctx, index, out):
-                yield event
-        finals = [fanout.last[i] for i in range(fanout.num_choices)]
-        if ctx.include_usage:
-            yield sse(ChatCompletionChunk(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[],
-                                          usage=usage(fanout, finals)))
-        _log_finished(ctx, fanout, finals, stream=True)
+        async for event in body:
+            yield event
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band like OpenAI
         yield _stream_error(ctx, e)
     except BaseException:  # closed or cancelled: the client went away (or the server is stopping)
         log.info("stream closed early; request aborted", extra={"request_id": ctx.request_id})
         raise
     finally:
+        await body.aclose()
         await fanout.aclose()
     yield DONE
 
@@ -185,30 +203,23 @@ def _completion_chunk(ctx: ResponseContext, index: int, out: RequestOutput, sent
     return sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]))
 
 
-async def stream_completion(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+def stream_completion(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
     """`text_completion` events for a started Fanout; closes it however the stream ends."""
+    return _guarded(ctx, fanout, _completion_events(ctx, fanout))
+
+
+async def _completion_events(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
     sent: dict[int, int] = {}  # characters streamed per choice (for logprobs text_offset)
-    try:
-        if ctx.echo:
-            for i in range(fanout.num_choices):
-                text = _echo(ctx, fanout, i)
-                sent[i] = len(text)
-                yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
-                                             choices=[CompletionChoice(index=i, text=text)]))
-        async for index, out in fanout:
-            event = _completion_chunk(ctx, index, out, sent)
-            if event is not None:
-                yield event
-        finals = [fanout.last[i] for i in range(fanout.num_choices)]
-        if ctx.include_usage:
-            yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[],
-                                         usage=usage(fanout, finals)))
-        _log_finished(ctx, fanout, finals, stream=True)
-    except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band like OpenAI
-        yield _stream_error(ctx, e)
-    except BaseException:  # closed or cancelled: the client went away (or the server is stopping)
-        log.info("stream closed early; request aborted", extra={"request_id": ctx.request_id})
-        raise
-    finally:
-        await fanout.aclose()
-    yield DONE
+    if ctx.echo:
+        for i in range(fanout.num_choices):
+            text = _echo(ctx, fanout, i)
+            sent[i] = len(text)
+            yield sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
+                                         choices=[CompletionChoice(index=i, text=text)]))
+    async for index, out in fanout:
+        event = _completion_chunk(ctx, index, out, sent)
+        if event is not None:
+            yield event
+    for event in _closing_events(ctx, fanout, lambda u: CompletionResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=u)):
+        yield event
