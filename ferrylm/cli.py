@@ -88,6 +88,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--jwt-audience", default=None)
     g.add_argument("--jwt-tenant-claim", default="tenant")
     g.add_argument("--audit-prompts", action="store_true", help="store prompt text in the audit log")
+    g.add_argument("--no-admission-control", action="store_true",
+                   help="never shed on engine load (auth, rate limits and quotas still apply)")
 
 
 def gateway_config_from_args(args: argparse.Namespace):
@@ -103,8 +105,11 @@ def gateway_config_from_args(args: argparse.Namespace):
         pem = Path(args.jwt_public_key).read_text() if args.jwt_public_key else None
         jwt = JWTConfig(secret=args.jwt_secret, public_key_pem=pem, jwks_file=args.jwks_file,
                         issuer=args.jwt_issuer, audience=args.jwt_audience, tenant_claim=args.jwt_tenant_claim)
+    from ferrylm.gateway.config import AdmissionConfig
+
     return GatewayConfig(require_auth=args.require_auth, state_db=args.state_db, jwt=jwt, redis_url=args.redis_url,
-                         audit_prompts=args.audit_prompts)
+                         audit_prompts=args.audit_prompts,
+                         admission=AdmissionConfig(enabled=not getattr(args, "no_admission_control", False)))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

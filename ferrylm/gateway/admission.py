@@ -132,7 +132,7 @@ class AdmissionController:
                mean_completion: float) -> AdmissionDecision:
         cfg = self.config
         priority = cfg.priority(tier)
-        if load is None:
+        if load is None or not cfg.enabled:
             return AdmissionDecision(True, priority, None)
         if not load.healthy:
             return AdmissionDecision(False, priority, None, 503, cfg.unhealthy_retry_after_s, "engine_unhealthy")

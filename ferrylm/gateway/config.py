@@ -75,6 +75,7 @@ class AdmissionConfig:
     max_num_waiting: int | None = None  # a hard queue-length cap on top of the projected wait
     unhealthy_retry_after_s: float = 5.0
     default_completion_tokens: int = 128  # prior for the mean completion length
+    enabled: bool = True  # False: never shed on load (auth, limits and quotas still apply)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier_priorities", _frozen_map(self.tier_priorities))

@@ -4,6 +4,7 @@ fanout.py runs the engine requests, serving.py shapes the answer."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -161,6 +162,22 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": reason}, status_code=200 if reason == "ok" else 503)
 
 
+async def load(request: Request) -> JSONResponse:
+    """The engine's stats snapshot as JSON, for a gateway in front of this replica: admission
+    control and least-outstanding-token routing read it (503 until the engine is up)."""
+    state = _state(request)
+    engine = state.engine
+    if engine is None or not state.ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    stats = engine.stats()
+    core = engine.engine
+    body = dataclasses.asdict(stats) | {
+        "kv_cache_usage": stats.kv_cache_usage, "healthy": engine.is_running and not state.drain.draining,
+        "block_size": core.config.cache.block_size, "max_model_len": core.max_model_len,
+        "models": list(state.config.served_model_names)}
+    return JSONResponse(body)
+
+
 async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -190,6 +207,7 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> Fas
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/load", load, methods=["GET"])
     if config.test_hooks:
         app.add_api_route("/debug/stall", debug_stall, methods=["POST"])
     return app
