@@ -75,6 +75,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="/health fails when the engine loop has been silent this long")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_gateway_policy_args(p)
+
+
+def _add_gateway_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("gateway (auth, rate limits, quotas, admission control, audit)")
     g.add_argument("--require-auth", action="store_true", help="401 without a valid API key or JWT")
     g.add_argument("--no-gateway", action="store_true", help="no admission control, limits or audit at all")
@@ -128,6 +132,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(config, lambda: Engine.from_config(engine_config))
 
 
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
+    p.add_argument("--upstream", action="append", default=[], metavar="[MODEL=]URL",
+                   help="a FerryLM replica; repeat for more (URLs with the same MODEL form one group)")
+    p.add_argument("--router-config", default=None, help="YAML: models → upstreams, policy, aliases, fallback")
+    p.add_argument("--model", default="smollm2-135m", help="model name for --upstream URLs given without MODEL=")
+    p.add_argument("--policy", default="least-outstanding-tokens",
+                   choices=["round-robin", "least-outstanding-tokens", "prefix-affinity", "latency"])
+    p.add_argument("--upstream-api-key", default=os.environ.get("FERRYLM_UPSTREAM_API_KEY"),
+                   help="Bearer key the replicas require (their --api-key)")
+    p.add_argument("--max-attempts", type=int, default=None, help="tries per request before the first token")
+    p.add_argument("--poll-interval", type=float, default=None, help="seconds between /ready polls")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_gateway_policy_args(p)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """Serve the OpenAI API in front of remote FerryLM replicas."""
+    from ferrylm.config import ConfigError
+    from ferrylm.gateway.routing.config import GatewayServerConfig, load_router_config
+    from ferrylm.gateway.routing.launcher import run_gateway
+
+    try:
+        router = load_router_config(args.router_config, args.upstream, default_model=args.model, policy=args.policy,
+                                    upstream_api_key=args.upstream_api_key, max_attempts=args.max_attempts,
+                                    poll_interval_s=args.poll_interval)
+    except ConfigError as e:
+        print(f"ferrylm gateway: {e}", file=sys.stderr)
+        return 2
+    config = GatewayServerConfig(router=router, gateway=gateway_config_from_args(args), host=args.host,
+                                 port=args.port, max_body_bytes=args.max_body_bytes,
+                                 drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    return run_gateway(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrylm", description="FerryLM: self-hosted LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     _add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    gateway = sub.add_parser("gateway", help="serve the OpenAI API in front of remote FerryLM replicas")
+    _add_router_args(gateway)
+    gateway.set_defaults(func=cmd_gateway)
     from ferrylm.gateway.cli import add_gateway_commands
 
     add_gateway_commands(sub)

@@ -45,3 +45,5 @@ def configure_logging(level: str = "info", stream: TextIO | None = None) -> None
         logger.propagate = True
     # The server writes its own access line carrying the request id; uvicorn's would duplicate it.
     logging.getLogger("uvicorn.access").disabled = True
+    # httpx logs every request at INFO; the gateway's health polls would flood the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -22,14 +22,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """Starts the server at construction; `wait_ready` polls /ready; logs go to a temp file."""
+    """Starts the server (or, with command="gateway", a gateway) at construction; `wait_ready`
+    polls /ready; logs go to a temp file. `port` reuses a port (a replica restarted in place)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None):
-        self.port = free_port()
+    def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None,
+                 command: str = "serve", port: int | None = None):
+        self.port = port or free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="ferrylm-e2e-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "ferrylm.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "ferrylm.cli", command, "--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = self.log_path.open("wb")

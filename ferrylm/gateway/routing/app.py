@@ -1,0 +1,237 @@
+"""`ferrylm gateway`: the OpenAI API in front of remote FerryLM replicas. Per request: validate,
+count tokens, gateway policy (auth, limits, quotas, admission from the replicas' load), route,
+proxy (SSE unbuffered), settle. Handlers stay thin; the parts live in this package."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ferrylm.gateway.admission import EngineLoad
+from ferrylm.gateway.errors import GatewayError
+from ferrylm.gateway.http import error_response
+from ferrylm.gateway.routing import prompt_info
+from ferrylm.gateway.routing.config import GatewayServerConfig
+from ferrylm.gateway.routing.dispatch import Dispatcher
+from ferrylm.gateway.routing.metrics import RouterMetrics
+from ferrylm.gateway.routing.poller import HealthPoller
+from ferrylm.gateway.routing.policies import RouteContext
+from ferrylm.gateway.routing.registry import ModelGroup, ReplicaRegistry
+from ferrylm.gateway.routing.relay import StreamRelay
+from ferrylm.server.body import read_json_body
+from ferrylm.server.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
+from ferrylm.server.drain import DrainController
+from ferrylm.server.errors import APIError, install_error_handlers, parse_model
+from ferrylm.server.middleware import RequestIdMiddleware, new_request_id
+from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+log = logging.getLogger("ferrylm.gateway")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
+
+
+class GatewayState:
+    """Everything one gateway process owns: registry, poller, HTTP client, policy layer, metrics."""
+
+    def __init__(self, config: GatewayServerConfig):
+        self.config = config
+        self.registry = ReplicaRegistry(config.router)
+        self.metrics = RouterMetrics(self.registry)
+        self.drain = DrainController()
+        self.fatal = asyncio.Event()
+        self.gateway = None
+        if config.gateway is not None:
+            from ferrylm.gateway.policy import Gateway
+
+            self.gateway = Gateway(config.gateway)
+        self.client: httpx.AsyncClient | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.poller: HealthPoller | None = None
+
+    @asynccontextmanager
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        r = self.config.router
+        timeout = httpx.Timeout(r.first_byte_timeout_s, connect=r.connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
+                                                                             max_keepalive_connections=256))
+        self.dispatcher = Dispatcher(self.registry, r, self.client, self.metrics)
+        self.poller = HealthPoller(self.registry, r, self.client)
+        await self.poller.poll_once()
+        self.poller.start()
+        tokenizers = asyncio.create_task(self._load_tokenizers())
+        try:
+            yield
+        finally:
+            tokenizers.cancel()
+            await self.poller.stop()
+            await self.client.aclose()
+            if self.gateway is not None:
+                self.gateway.close()
+
+    async def _load_tokenizers(self) -> None:
+        for group in self.registry.groups.values():
+            source = group.config.tokenizer or group.name
+            try:
+                group.tokenizer = await asyncio.to_thread(prompt_info.load_tokenizer, source)
+            except Exception as e:  # noqa: BLE001 - no tokenizer: estimate token counts from text
+                group.tokenizer_error = str(e)
+                log.warning("no tokenizer for model group; token counts are estimated",
+                            extra={"model_group": group.name, "error": str(e)})
+
+    def group_load(self, group: ModelGroup) -> EngineLoad | None:
+        """The group's replicas' engine stats summed (admission control reads it like one engine)."""
+        loads = [r.load for r in group.replicas if r.load is not None and r.ready]
+        healthy = any(g.available() for g in self.registry.fallback_chain(group))
+        if not loads:
+            return None if healthy else EngineLoad(0, 0, 0, 0.0, False)
+        return EngineLoad(sum(x.num_waiting for x in loads), sum(x.num_running for x in loads),
+                          sum(x.num_waiting_prompt_tokens for x in loads),
+                          sum(x.kv_cache_usage for x in loads) / len(loads), healthy,
+                          sum(x.prompt_tokens_total + x.generation_tokens_total for x in loads))
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.ferry
+
+
+def _upstream_headers(request: Request, request_id: str, api_key: str | None) -> dict[str, str]:
+    headers = {"X-Request-Id": request_id}
+    headers |= {name: request.headers[name] for name in TRACE_HEADERS if name in request.headers}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def _upstream_body(body: dict, req: ChatCompletionRequest | CompletionRequest, priority: int | None) -> dict:
+    """The client's body as sent; streams always ask for usage (the relay drops it if unasked)."""
+    out = dict(body)
+    if req.stream:
+        out["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    if priority is not None:
+        out["priority"] = priority
+    return out
+
+
+async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> Response:
+    state = _state(request)
+    state.drain.check_admitting()
+    body = await read_json_body(request, state.config.max_body_bytes)
+    req = parse_model(model_cls, body)
+    group = state.registry.resolve(req.model)
+    if group is None:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+    request_id = request.state.request_id or new_request_id(prefix)
+    request.state.request_id = request_id
+    block_size = group.upstream_block_size()
+    try:
+        n_prompts, prompt_tokens, hashes, key = await asyncio.to_thread(prompt_info.describe, group.tokenizer,
+                                                                         block_size, req)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    n = req.n or 1
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.router.default_max_tokens
+    ctx = RouteContext(prompt_tokens * n, max_tokens * n * n_prompts, hashes, key)
+    started = time.monotonic()
+    admission = None
+    if state.gateway is not None:
+        admission = await state.gateway.admit(request.headers, request.client.host if request.client else None,
+                                              group.name, ctx.prompt_tokens, ctx.expected_output,
+                                              state.group_load(group), request_id=request_id)
+    priority = admission.priority if admission is not None and state.gateway.config.require_auth else None
+
+    async def settle(status: int, prompt: int | None, completion: int) -> None:
+        if admission is not None:
+            await state.gateway.finish(admission, status, prompt if prompt is not None else ctx.prompt_tokens,
+                                       completion, time.monotonic() - started)
+
+    headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
+    try:
+        d = await cancel_on_disconnect(request, state.dispatcher.dispatch(
+            group, path, _upstream_body(body, req, priority), headers, ctx, bool(req.stream)))
+    except ClientDisconnected:
+        await settle(499, None, 0)
+        return Response(status_code=499)
+    except APIError as e:
+        state.metrics.requests.labels(group.name, str(e.status)).inc()
+        await settle(e.status, None, 0)
+        raise
+    except BaseException:
+        await settle(500, None, 0)
+        raise
+    extra = (admission.response_headers if admission is not None else {}) | {"X-FerryLM-Upstream": d.replica.url}
+    if req.stream and d.response.status_code == 200:
+        relay = StreamRelay(d, bool(req.stream_options and req.stream_options.include_usage), settle,
+                            state.metrics, state.dispatcher.record_failure)
+        return SSEResponse(relay, headers=SSE_HEADERS | extra)
+    return await _answer(state, d, settle, extra)
+
+
+async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Response:
+    """A whole (non-streaming, or error) upstream response, passed through with its status."""
+    content, status = d.response.content, d.response.status_code
+    usage: dict = {}
+    try:
+        usage = (d.response.json().get("usage") or {}) if status == 200 else {}
+    except ValueError:
+        pass
+    for name in ("retry-after", "retry-after-ms"):
+        if name in d.response.headers:
+            extra[name] = d.response.headers[name]
+    await d.aclose()
+    state.metrics.requests.labels(d.group.name, str(status)).inc()
+    await settle(status, usage.get("prompt_tokens"), usage.get("completion_tokens", 0))
+    return Response(content, status_code=status, media_type="application/json", headers=extra)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _proxy(request, ChatCompletionRequest, "/v1/chat/completions", "chatcmpl")
+
+
+async def completions(request: Request) -> Response:
+    return await _proxy(request, CompletionRequest, "/v1/completions", "cmpl")
+
+
+async def list_models(request: Request) -> ModelList:
+    registry = _state(request).registry
+    return ModelList(data=[ModelCard(id=name, root=group) for name, group in registry.model_names()])
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> JSONResponse:
+    """Ready while not draining and at least one replica of some group can take a request."""
+    state = _state(request)
+    if state.drain.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    ok = state.registry.any_available()
+    return JSONResponse({"status": "ok" if ok else "no healthy upstream"}, status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_gateway_app(config: GatewayServerConfig) -> FastAPI:
+    state = GatewayState(config)
+    app = FastAPI(title="FerryLM gateway", version="0.1.0", lifespan=state.lifespan)
+    app.state.ferry = state
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
+    app.add_exception_handler(GatewayError, lambda _request, e: error_response(e))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app

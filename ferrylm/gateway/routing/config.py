@@ -1,0 +1,141 @@
+"""RouterConfig: which upstream replicas serve which model names, how a replica is picked, and
+how failures are handled. Built from a YAML file, from `--upstream` flags, or both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ferrylm.config import ConfigError
+
+POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "latency")
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One model group: clients ask for `name` (or an alias); any of `upstreams` can serve it."""
+
+    name: str
+    upstreams: tuple[str, ...]
+    policy: str = "least-outstanding-tokens"
+    aliases: tuple[str, ...] = ()
+    fallback: str | None = None  # another group to use when every replica of this one is down
+    tokenizer: str | None = None  # model source for token counts and prefix hashes (default: `name`)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+        if not self.upstreams:
+            raise ConfigError(f"model group {self.name!r} has no upstreams")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"model group {self.name!r}: unknown policy {self.policy!r} (one of {', '.join(POLICIES)})")
+        for url in self.upstreams:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"upstream {url!r} must be an http:// or https:// URL")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The fleet and the failure-handling knobs (defaults follow Envoy-style practice)."""
+
+    groups: tuple[GroupConfig, ...]
+    poll_interval_s: float = 1.0  # active readiness polling of every upstream's /ready and /load
+    poll_timeout_s: float = 2.0
+    breaker_failures: int = 3  # consecutive failures that eject a replica
+    breaker_open_s: float = 5.0  # ejected this long, then one half-open probe decides
+    max_attempts: int = 3  # tries per request across replicas, before the first byte only
+    retry_backoff_s: float = 0.05  # doubled per retry
+    retry_budget_ratio: float = 0.2  # retries may add at most this fraction of requests ...
+    retry_budget_min: float = 3.0  # ... plus this many (so a quiet fleet can still retry)
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 300.0  # a replica that accepted but never answers
+    spill_factor: float = 2.0  # prefix affinity: leave the preferred replica when its load exceeds
+    spill_min_tokens: int = 4096  # max(spill_min_tokens, spill_factor x the group's mean load)
+    affinity_map_size: int = 100_000  # block hashes remembered for prefix affinity
+    default_max_tokens: int = 256  # expected output when a request sets no max_tokens
+    upstream_api_key: str | None = None  # sent to the replicas as a Bearer token
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("the router needs at least one model group (--upstream or --router-config)")
+        names: set[str] = set()
+        for group in self.groups:
+            for name in (group.name, *group.aliases):
+                if name in names:
+                    raise ConfigError(f"model name {name!r} is used twice")
+                names.add(name)
+        for group in self.groups:
+            if group.fallback is not None and group.fallback not in {g.name for g in self.groups}:
+                raise ConfigError(f"model group {group.name!r}: fallback {group.fallback!r} is not a group")
+        if self.max_attempts < 1 or self.breaker_failures < 1:
+            raise ConfigError("max_attempts and breaker_failures must be at least 1")
+        if min(self.poll_interval_s, self.poll_timeout_s, self.breaker_open_s, self.connect_timeout_s) <= 0:
+            raise ConfigError("router intervals and timeouts must be positive")
+
+    def group(self, name: str) -> GroupConfig:
+        return next(g for g in self.groups if g.name == name)
+
+
+def parse_upstream_flags(flags: list[str], default_model: str, policy: str) -> tuple[GroupConfig, ...]:
+    """`--upstream [MODEL=]URL`, repeatable: URLs with the same MODEL form one group."""
+    by_model: dict[str, list[str]] = {}
+    for flag in flags:
+        model, sep, url = flag.partition("=") if "=" in flag.split("://", 1)[0] else ("", "", flag)
+        by_model.setdefault(model if sep else default_model, []).append(url)
+    return tuple(GroupConfig(name, tuple(urls), policy) for name, urls in by_model.items())
+
+
+def _group_from_yaml(name: str, spec: dict, default_policy: str) -> GroupConfig:
+    if isinstance(spec, list):
+        spec = {"upstreams": spec}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"model group {name!r}: expected a mapping with 'upstreams'")
+    unknown = set(spec) - {"upstreams", "policy", "aliases", "fallback", "tokenizer"}
+    if unknown:
+        raise ConfigError(f"model group {name!r}: unknown keys {sorted(unknown)}")
+    return GroupConfig(name, tuple(spec.get("upstreams") or ()), spec.get("policy", default_policy),
+                       tuple(spec.get("aliases") or ()), spec.get("fallback"), spec.get("tokenizer"))
+
+
+def load_router_config(path: str | Path | None, upstream_flags: list[str] | None = None, *,
+                       default_model: str = "smollm2-135m", policy: str = "least-outstanding-tokens",
+                       **overrides) -> RouterConfig:
+    """Groups from the YAML file (`models:` → name → {upstreams, policy, aliases, fallback}) and the
+    flags together; top-level YAML keys set RouterConfig fields; keyword overrides win."""
+    import yaml
+
+    groups: list[GroupConfig] = []
+    settings: dict = {}
+    if path is not None:
+        try:
+            doc = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{path}: cannot read the router config ({e})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: the router config must be a mapping")
+        default_policy = doc.get("policy", policy)
+        groups += [_group_from_yaml(str(n), s, default_policy) for n, s in (doc.get("models") or {}).items()]
+        settings = {k: v for k, v in doc.items() if k not in ("models", "policy")}
+        known = set(RouterConfig.__dataclass_fields__) - {"groups"}
+        if set(settings) - known:
+            raise ConfigError(f"{path}: unknown settings {sorted(set(settings) - known)}")
+    groups += parse_upstream_flags(upstream_flags or [], default_model, policy)
+    config = RouterConfig(tuple(groups), **settings)
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return replace(config, **overrides) if overrides else config
+
+
+__all__ = ["GroupConfig", "RouterConfig", "POLICIES", "load_router_config", "parse_upstream_flags"]
+
+
+@dataclass(frozen=True)
+class GatewayServerConfig:
+    """The standalone `ferrylm gateway` process: where it listens, its policy layer, its fleet."""
+
+    router: RouterConfig
+    gateway: object | None = None  # GatewayConfig (auth, limits, quotas, admission, audit) or None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 4 << 20
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"

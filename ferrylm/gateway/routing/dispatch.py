@@ -1,0 +1,163 @@
+"""Send a request to a replica of a model group, retrying elsewhere until the first token.
+
+A try fails over (to another replica, then to the fallback groups) on a connect error, a 5xx,
+a broken connection, or an in-band error before any token; every retry spends from the
+fleet-wide RetryBudget and waits a doubling backoff. Once a token has been read the replica is
+committed: later failures end the stream with an error event (relay.py), never a retry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from ferrylm.gateway.routing.config import RouterConfig
+from ferrylm.gateway.routing.metrics import RouterMetrics
+from ferrylm.gateway.routing.policies import RouteContext
+from ferrylm.gateway.routing.registry import ModelGroup, ReplicaRegistry
+from ferrylm.gateway.routing.replica import Replica, Ticket
+from ferrylm.gateway.routing.retry_budget import RetryBudget
+from ferrylm.gateway.routing.sse import Event, events
+from ferrylm.server.errors import APIError
+
+log = logging.getLogger("ferrylm.gateway.routing")
+
+
+class UpstreamFailure(Exception):
+    """A try that may be retried on another replica (nothing has reached the client)."""
+
+    def __init__(self, replica: Replica, reason: str, status: int | None = None, detail: str = ""):
+        super().__init__(f"{replica.url}: {reason} {status or ''} {detail}".strip())
+        self.replica, self.reason, self.status = replica, reason, status
+
+
+@dataclass
+class Dispatch:
+    """A replica committed to a request: its response, and for streams the events read so far."""
+
+    group: ModelGroup
+    replica: Replica
+    ticket: Ticket
+    response: httpx.Response
+    started: float
+    attempts: int
+    head: list[Event] = field(default_factory=list)
+    rest: AsyncIterator[Event] | None = None
+    first_token_at: float | None = None
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+        self.ticket.close()
+
+
+def no_upstream(group: ModelGroup, failure: UpstreamFailure | None) -> APIError:
+    if failure is None:
+        return APIError(503, f"No healthy replica serves `{group.name}` right now; retry shortly.",
+                        code="no_healthy_upstream")
+    return APIError(502, f"Every replica tried for `{group.name}` failed before answering ({failure}).",
+                    code="upstream_error", type_="server_error")
+
+
+class Dispatcher:
+    def __init__(self, registry: ReplicaRegistry, config: RouterConfig, client: httpx.AsyncClient,
+                 metrics: RouterMetrics):
+        self.registry, self.config, self.client, self.metrics = registry, config, client, metrics
+        self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
+
+    async def dispatch(self, group: ModelGroup, path: str, body: dict, headers: dict[str, str],
+                       ctx: RouteContext, stream: bool) -> Dispatch:
+        """Commit a replica to this request (or raise APIError 502/503)."""
+        self.budget.deposit()
+        tried: set[str] = set()
+        failure: UpstreamFailure | None = None
+        attempts = 0
+        for g in self.registry.fallback_chain(group):
+            if g is not group and g.available():
+                self.metrics.fallbacks.labels(group.name, g.name).inc()
+            while attempts < self.config.max_attempts:
+                now = time.monotonic()
+                candidates = g.available(now, frozenset(tried))
+                if not candidates:
+                    break
+                choice = g.policy.choose(candidates, ctx)
+                if attempts and not self.budget.try_spend():
+                    self.metrics.retries_denied.labels(g.name).inc()
+                    raise no_upstream(group, failure)
+                if not choice.replica.breaker.allow(now):  # its half-open probe is already out
+                    tried.add(choice.replica.url)
+                    continue
+                if attempts:
+                    self.metrics.retries.labels(g.name, failure.reason if failure else "none").inc()
+                    await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempts - 1))
+                attempts += 1
+                self.metrics.decisions.labels(g.name, g.policy.name, choice.reason).inc()
+                try:
+                    result = await self._attempt(g, choice.replica, path, body, headers, ctx, stream, attempts)
+                except UpstreamFailure as f:
+                    failure = f
+                    tried.add(f.replica.url)
+                    log.warning("upstream try failed", extra={"replica": f.replica.url, "reason": f.reason,
+                                                              "status": f.status, "attempt": attempts})
+                    self.record_failure(f.replica)
+                    continue
+                choice.replica.breaker.record_success()
+                g.policy.record(ctx, choice.replica)
+                return result
+        raise no_upstream(group, failure)
+
+    def record_failure(self, replica: Replica) -> None:
+        if replica.breaker.record_failure(time.monotonic()):
+            self.metrics.ejections.labels(replica.group, replica.url).inc()
+            log.warning("replica ejected", extra={"replica": replica.url})
+
+    async def _attempt(self, group: ModelGroup, replica: Replica, path: str, body: dict, headers: dict[str, str],
+                       ctx: RouteContext, stream: bool, attempts: int) -> Dispatch:
+        payload = dict(body, model=replica.served_model or group.name)
+        ticket = replica.begin(ctx.prompt_tokens, ctx.expected_output)
+        started = time.monotonic()
+        response: httpx.Response | None = None
+        try:
+            request = self.client.build_request("POST", replica.url + path, json=payload, headers=headers)
+            try:
+                response = await self.client.send(request, stream=True)
+            except httpx.TransportError as e:
+                raise UpstreamFailure(replica, type(e).__name__, detail=str(e)) from None
+            if response.status_code >= 500:
+                raise UpstreamFailure(replica, "status", response.status_code)
+            result = Dispatch(group, replica, ticket, response, started, attempts)
+            if stream and response.status_code == 200:
+                await self._read_head(result)
+            else:
+                try:
+                    await response.aread()
+                except httpx.TransportError as e:
+                    raise UpstreamFailure(replica, type(e).__name__, detail=str(e)) from None
+            return result
+        except BaseException:
+            if response is not None:
+                await response.aclose()
+            ticket.close()
+            raise
+
+    async def _read_head(self, d: Dispatch) -> None:
+        """Read events up to the first token (or the end): until then a failure can still retry."""
+        d.rest = events(d.response).__aiter__()
+        try:
+            while True:
+                event = await d.rest.__anext__()
+                if event.error:  # nothing has reached the client yet: another replica may do better
+                    raise UpstreamFailure(d.replica, "stream_error", detail=str(event.error.get("message")))
+                d.head.append(event)
+                if event.tokens:
+                    d.first_token_at = time.monotonic()
+                    return
+                if event.done or event.finished:
+                    return
+        except StopAsyncIteration:
+            return
+        except httpx.TransportError as e:
+            raise UpstreamFailure(d.replica, type(e).__name__, detail=str(e)) from None

@@ -1,0 +1,62 @@
+"""Active health checks: poll every replica's /ready and /load. A failed poll takes the replica
+out of rotation at once; a replica whose breaker has cooled down and that polls ready again is
+closed (the half-open probe), so a restarted replica comes back without live traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from ferrylm.gateway.routing.breaker import BreakerState
+from ferrylm.gateway.routing.config import RouterConfig
+from ferrylm.gateway.routing.registry import ReplicaRegistry
+from ferrylm.gateway.routing.replica import Replica, ReplicaLoad
+
+log = logging.getLogger("ferrylm.gateway.routing")
+
+
+class HealthPoller:
+    def __init__(self, registry: ReplicaRegistry, config: RouterConfig, client: httpx.AsyncClient):
+        self.registry, self.config, self.client = registry, config, client
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(r) for r in self.registry.replicas()))
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def _poll(self, replica: Replica) -> None:
+        timeout = self.config.poll_timeout_s
+        try:
+            ready = (await self.client.get(replica.url + "/ready", timeout=timeout)).status_code == 200
+            load = await self.client.get(replica.url + "/load", timeout=timeout) if ready else None
+        except httpx.HTTPError:
+            ready, load = False, None
+        if load is not None and load.status_code == 200:
+            body = load.json()
+            replica.load = ReplicaLoad.from_json(body)
+            replica.block_size = body.get("block_size") or replica.block_size
+            models = body.get("models") or []
+            replica.served_model = models[0] if models else replica.served_model
+        if ready != replica.ready:
+            log.info("replica ready" if ready else "replica not ready", extra={"replica": replica.url})
+        replica.ready = ready
+        replica.ever_ready |= ready
+        breaker = replica.breaker
+        if ready and breaker.state is not BreakerState.CLOSED and breaker.available(time.monotonic()):
+            breaker.record_success()
+            log.info("replica back in rotation", extra={"replica": replica.url})

@@ -1,0 +1,56 @@
+"""What the router needs to know about a prompt before routing it: its token count (for rate
+limits and outstanding-token accounting) and the engine's prefix-cache block hashes (for prefix
+affinity). Exact when the group's tokenizer is loaded, estimated from the text otherwise."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from ferrylm.engine.block_manager import block_hashes
+from ferrylm.server import inputs
+from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("ferrylm.gateway.routing")
+MAX_HASHED_BLOCKS = 128  # prefixes deeper than this many blocks route like their first 128
+DEFAULT_BLOCK_SIZE = 16
+CHARS_PER_TOKEN = 4  # the estimate when no tokenizer is available
+
+
+def load_tokenizer(model: str):
+    """The ferrylm Tokenizer of a model source (alias, .gguf, HF directory), or raise."""
+    from ferrylm.model.model_source import resolve_model
+    from ferrylm.tokenizer import Tokenizer
+
+    return Tokenizer.load(resolve_model(model))
+
+
+def _stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _chat_text(request: ChatCompletionRequest) -> str:
+    return "\n".join(f"{m.role}: {m.text()}" for m in request.messages)
+
+
+def prompt_token_lists(tokenizer, request: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
+    if isinstance(request, ChatCompletionRequest):
+        return [inputs.chat_prompt_ids(tokenizer, request)]
+    return inputs.completion_prompt_ids(tokenizer, request, tokenizer.vocab_size)
+
+
+def describe(tokenizer, block_size: int | None,
+             request: ChatCompletionRequest | CompletionRequest) -> tuple[int, int, tuple[int, ...], int | None]:
+    """(number of prompts, total prompt tokens, block hashes of the first prompt, text affinity key)."""
+    if tokenizer is not None:
+        prompts = prompt_token_lists(tokenizer, request)
+        size = block_size or DEFAULT_BLOCK_SIZE
+        first = prompts[0][:MAX_HASHED_BLOCKS * size] if prompts else []
+        return len(prompts), sum(len(p) for p in prompts), tuple(block_hashes(first, size)), None
+    if isinstance(request, ChatCompletionRequest):
+        texts = [_chat_text(request)]
+    else:
+        p = request.prompt
+        texts = [p] if isinstance(p, str) else [str(x) for x in p] if p and not isinstance(p[0], int) else [str(p)]
+    total = sum(len(t) // CHARS_PER_TOKEN + 1 for t in texts)
+    return len(texts), total, (), _stable_hash(texts[0][:512]) if texts else None

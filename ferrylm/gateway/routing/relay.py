@@ -1,0 +1,116 @@
+"""Pass a committed replica's SSE stream to the client unbuffered, event by event, while keeping
+the books: the replica's outstanding tokens shrink as tokens arrive, the first token sets TTFT,
+the usage chunk (always requested upstream) is dropped unless the client asked for it. If the
+replica fails mid-stream the client gets an explicit error event and [DONE], never silence."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from ferrylm.gateway.routing.dispatch import Dispatch
+from ferrylm.gateway.routing.metrics import RouterMetrics
+from ferrylm.gateway.routing.sse import DONE, Event, error_event
+
+log = logging.getLogger("ferrylm.gateway.routing")
+Settle = Callable[[int, int | None, int], Awaitable[None]]  # (status, prompt tokens or None, completion tokens)
+
+
+class StreamRelay:
+    """An async iterator of bytes for SSEResponse; closing it (client gone) closes the upstream
+    connection, which makes the replica abort the request and free its KV blocks. A class, not an
+    async generator, so that closing it settles even if it was never started."""
+
+    def __init__(self, d: Dispatch, wants_usage: bool, settle: Settle, metrics: RouterMetrics,
+                 on_failure: Callable[[object], None]):
+        self._d, self._wants_usage, self._settle_cb = d, wants_usage, settle
+        self._metrics, self._on_failure = metrics, on_failure
+        self._pending = list(d.head)
+        self._completion = 0
+        self._usage: dict | None = None
+        self._status = 200
+        self._first_seen = False
+        self._finished = False  # [DONE] passed (or an error event and [DONE] sent)
+        self._tail: list[bytes] = []
+        self._settled = False
+        if d.first_token_at is not None:
+            self._on_first_token(d.first_token_at)
+
+    def __aiter__(self) -> "StreamRelay":
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            if self._tail:
+                return self._tail.pop(0)
+            if self._finished:
+                await self._settle(self._status)
+                raise StopAsyncIteration
+            event = await self._next_event()
+            if event is None:
+                continue
+            out = self._account(event)
+            if out is not None:
+                return out
+
+    async def _next_event(self) -> Event | None:
+        if self._pending:
+            return self._pending.pop(0)
+        try:
+            return await self._d.rest.__anext__()
+        except StopAsyncIteration:
+            reason = "closed the stream without [DONE]"
+        except httpx.HTTPError as e:
+            reason = f"failed mid-stream ({type(e).__name__})"
+        self._fail(reason)
+        return None
+
+    def _fail(self, reason: str) -> None:
+        log.warning("replica stream broke", extra={"replica": self._d.replica.url, "reason": reason})
+        self._on_failure(self._d.replica)
+        self._metrics.stream_errors.labels(self._d.group.name).inc()
+        self._status = 502
+        self._tail = [error_event(f"The model replica {reason}; the response is incomplete.", "upstream_error"),
+                      DONE]
+        self._finished = True
+
+    def _on_first_token(self, at: float) -> None:
+        self._first_seen = True
+        ttft = at - self._d.started
+        self._d.replica.observe_ttft(ttft)
+        self._metrics.ttft.labels(self._d.group.name).observe(ttft)
+        self._d.ticket.first_token()
+
+    def _account(self, event: Event) -> bytes | None:
+        if event.done:
+            self._finished = True
+            return event.raw
+        if event.tokens:
+            if not self._first_seen:
+                self._on_first_token(time.monotonic())
+            self._completion += event.tokens
+            self._d.ticket.generated(event.tokens)
+        if event.error:
+            self._status = int(event.error.get("code") == "engine_dead" and 503 or 500)
+        if event.usage is not None:
+            self._usage = event.usage
+            if not self._wants_usage:
+                return None
+        return event.raw
+
+    async def aclose(self) -> None:
+        await self._settle(200 if self._finished and self._status == 200 else 499 if not self._finished
+                           else self._status)
+
+    async def _settle(self, status: int) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        await self._d.aclose()
+        usage = self._usage or {}
+        completion = usage.get("completion_tokens", self._completion)
+        self._metrics.requests.labels(self._d.group.name, str(status)).inc()
+        await self._settle_cb(status, usage.get("prompt_tokens"), completion)

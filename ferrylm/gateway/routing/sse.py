@@ -1,0 +1,76 @@
+"""Server-sent events as the router reads them from a replica: whole events, unbuffered, with
+the one JSON payload each carries parsed for accounting (never re-serialised)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import httpx
+
+DONE = b"data: [DONE]\n\n"
+
+
+class Event(NamedTuple):
+    raw: bytes  # exactly what to send on (ends with a blank line)
+    data: dict | None  # the decoded JSON payload, if it is one
+    done: bool  # the `[DONE]` sentinel
+
+    @property
+    def tokens(self) -> int:
+        """Choices in this chunk that carry generated text (≈ tokens, one per choice per step)."""
+        if not self.data:
+            return 0
+        n = 0
+        for choice in self.data.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or choice.get("text"):
+                n += 1
+        return n
+
+    @property
+    def usage(self) -> dict | None:
+        """The final usage chunk (`choices: []` with usage), as include_usage sends it."""
+        if self.data and not self.data.get("choices") and isinstance(self.data.get("usage"), dict):
+            return self.data["usage"]
+        return None
+
+    @property
+    def error(self) -> dict | None:
+        return self.data.get("error") if self.data and isinstance(self.data.get("error"), dict) else None
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.data) and any(c.get("finish_reason") for c in self.data.get("choices") or ())
+
+
+def _parse(lines: list[str]) -> Event:
+    raw = ("\n".join(lines) + "\n\n").encode()
+    payload = "\n".join(line[5:].lstrip(" ") for line in lines if line.startswith("data:"))
+    if payload == "[DONE]":
+        return Event(raw, None, True)
+    try:
+        data = json.loads(payload) if payload else None
+    except json.JSONDecodeError:
+        data = None
+    return Event(raw, data if isinstance(data, dict) else None, False)
+
+
+async def events(response: httpx.Response) -> AsyncIterator[Event]:
+    """Each SSE event of a streaming response as soon as its closing blank line arrives."""
+    lines: list[str] = []
+    async for line in response.aiter_lines():
+        if line:
+            lines.append(line)
+        elif lines:
+            yield _parse(lines)
+            lines = []
+    if lines:
+        yield _parse(lines)
+
+
+def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
+    """An in-band error (the status line is already sent), as the replica itself would send it."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n".encode()
