@@ -54,6 +54,7 @@ class GatewayState:
         self.client: httpx.AsyncClient | None = None
         self.dispatcher: Dispatcher | None = None
         self.poller: HealthPoller | None = None
+        self.tokenizers_loaded = False  # /ready waits for them: prefix affinity needs exact hashes
 
     @asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -84,6 +85,7 @@ class GatewayState:
                 group.tokenizer_error = str(e)
                 log.warning("no tokenizer for model group; token counts are estimated",
                             extra={"model_group": group.name, "error": str(e)})
+        self.tokenizers_loaded = True
 
     def group_load(self, group: ModelGroup) -> EngineLoad | None:
         """The group's replicas' engine stats summed (admission control reads it like one engine)."""
@@ -212,6 +214,8 @@ async def ready(request: Request) -> JSONResponse:
     state = _state(request)
     if state.drain.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
+    if not state.tokenizers_loaded:
+        return JSONResponse({"status": "loading tokenizers"}, status_code=503)
     ok = state.registry.any_available()
     return JSONResponse({"status": "ok" if ok else "no healthy upstream"}, status_code=200 if ok else 503)
 

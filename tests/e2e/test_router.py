@@ -1,0 +1,274 @@
+"""`ferrylm gateway` in front of two real `ferrylm serve` replicas on loopback: proxying
+(streamed and not, byte-exact greedy text, request ids), prefix affinity vs round-robin on the
+fleet's real prefix-cache counters, client disconnects freeing replica KV, a replica killed under
+load (every request accounted for, ejection, return after restart), fallbacks, and the gateway's
+own auth in front of the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sqlite3
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.server_process import ServerProcess
+
+REPLICA_ARGS = ("--no-gateway", "--dtype", "float32", "--max-num-seqs", "16", "--max-num-batched-tokens", "1024")
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    procs = [ServerProcess(*REPLICA_ARGS) for _ in range(2)]
+    for p in procs:
+        p.wait_ready()
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+def start_gateway(*args: str) -> ServerProcess:
+    gw = ServerProcess(*args, "--poll-interval", "0.25", command="gateway")
+    gw.wait_ready(60)
+    return gw
+
+
+def stop(gw: ServerProcess) -> None:
+    code = gw.stop()
+    assert code == 0, gw.log_tail()
+
+
+def router_metrics(gw: ServerProcess, name: str) -> dict[str, float]:
+    return {k: v for k, v in gw.metrics().items() if k.startswith(f"ferrylm:router_{name}")}
+
+
+def chat(messages: list[dict], **kw) -> dict:
+    return {"model": MODEL, "messages": messages, "temperature": 0, **kw}
+
+
+def test_proxy_passes_responses_through(replicas):
+    gw = start_gateway("--upstream", replicas[0].base_url, "--upstream", replicas[1].base_url, "--no-gateway")
+    try:
+        client = gw.client()
+        messages = [{"role": "user", "content": "Name three colours."}]
+        direct = replicas[0].client().chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                                              temperature=0)
+        via = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=20,
+                                                               temperature=0, extra_headers={"X-Request-Id": "rid-42"})
+        assert via.headers["x-ferrylm-upstream"] in {r.base_url for r in replicas}
+        body = via.parse()
+        assert body.choices[0].message.content == direct.choices[0].message.content
+        assert body.id == "rid-42" and via.headers["x-request-id"] == "rid-42", "request id reaches the replica"
+        assert body.usage.completion_tokens == direct.usage.completion_tokens
+        # Streams: same text, no usage chunk unless asked (the gateway asks upstream regardless).
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            direct.choices[0].message.content
+        assert all(c.usage is None for c in chunks)
+        chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens > 0
+        # Bad input is answered with OpenAI-style errors, by the gateway or passed through.
+        r = httpx.post(gw.url("/v1/chat/completions"), json=chat(messages, max_tokens=0))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = httpx.post(gw.url("/v1/chat/completions"), json=chat(messages) | {"model": "nope"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = httpx.post(gw.url("/v1/completions"), json={"model": MODEL, "prompt": "x" * 40000, "max_tokens": 4})
+        assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+        assert [m["id"] for m in httpx.get(gw.url("/v1/models")).json()["data"]] == [MODEL]
+        outstanding = router_metrics(gw, "upstream_outstanding_tokens")
+        assert len(outstanding) == 2 and sum(outstanding.values()) == 0, outstanding
+    finally:
+        stop(gw)
+
+
+def _prefix_counters(replicas) -> tuple[float, float]:
+    ms = [r.metrics() for r in replicas]
+    return (sum(m["ferrylm:prefix_cache_hits_total"] for m in ms),
+            sum(m["ferrylm:prefix_cache_queries_total"] for m in ms))
+
+
+def _system_prompts(tag: str) -> list[str]:
+    topics = ["astronomy", "cooking", "maritime law", "chess openings"]
+    return [f"[{tag}] You are an expert on {t}. " + " ".join(f"Rule {i}: answer about {t} with care, cite "
+                                                                f"sources, stay concise." for i in range(20))
+            for t in topics]
+
+
+def _hit_rate(gw: ServerProcess, replicas, tag: str) -> float:
+    systems = _system_prompts(tag)
+    order = [i % 4 for i in range(16)]
+    random.Random(7).shuffle(order)
+    hits0, queries0 = _prefix_counters(replicas)
+    with httpx.Client(timeout=120) as http:
+        for n, s in enumerate(order):
+            messages = [{"role": "system", "content": systems[s]}, {"role": "user", "content": f"Question {n}?"}]
+            assert http.post(gw.url("/v1/chat/completions"), json=chat(messages, max_tokens=1)).status_code == 200
+    hits1, queries1 = _prefix_counters(replicas)
+    return (hits1 - hits0) / (queries1 - queries0)
+
+
+def test_prefix_affinity_raises_the_fleet_hit_rate_over_round_robin(replicas):
+    urls = [a for r in replicas for a in ("--upstream", r.base_url)]
+    rates = {}
+    for policy in ("round-robin", "prefix-affinity"):
+        gw = start_gateway(*urls, "--policy", policy, "--no-gateway")
+        try:
+            rates[policy] = _hit_rate(gw, replicas, policy)
+            decisions = router_metrics(gw, "routing_decisions")
+        finally:
+            stop(gw)
+    print("fleet prefix-cache hit rate:", rates)
+    assert rates["prefix-affinity"] > rates["round-robin"] + 0.15, rates
+    assert any("prefix_" in k for k in decisions), decisions
+
+
+def test_client_disconnect_at_the_gateway_frees_replica_kv(replicas):
+    gw = start_gateway("--upstream", replicas[0].base_url, "--no-gateway")
+    try:
+        baseline = replicas[0].wait_idle()
+        body = chat([{"role": "user", "content": "Write a very long story about a ferry."}], max_tokens=2000,
+                    stream=True)
+        with httpx.Client(timeout=60) as http, http.stream("POST", gw.url("/v1/chat/completions"), json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(12)]
+            assert any('"content"' in line for line in got)
+            during = replicas[0].metrics()
+            assert during["ferrylm:num_requests_running"] == 1
+            assert during["ferrylm:kv_cache_usage_perc"] > baseline["ferrylm:kv_cache_usage_perc"]
+        after = replicas[0].wait_idle(timeout=15)
+        assert after["ferrylm:kv_cache_usage_perc"] == baseline["ferrylm:kv_cache_usage_perc"]
+        assert after["ferrylm:generation_tokens_total"] - baseline["ferrylm:generation_tokens_total"] < 1000
+        deadline = time.monotonic() + 10
+        while sum(router_metrics(gw, "upstream_in_flight_requests").values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sum(router_metrics(gw, "upstream_outstanding_tokens").values()) == 0
+    finally:
+        stop(gw)
+
+
+async def _one_stream(http: httpx.AsyncClient, url: str, n: int) -> str:
+    """'completed', 'error_event' or 'refused:<status>'; never hangs (the caller bounds it)."""
+    body = chat([{"role": "user", "content": f"Tell me fact number {n} about ships."}], max_tokens=48, stream=True)
+    async with http.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return f"refused:{r.status_code}"
+        finished, error, done = False, False, False
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            data = json.loads(line[6:])
+            error |= "error" in data
+            finished |= any(c.get("finish_reason") for c in data.get("choices") or [])
+        assert done, "every stream ends with [DONE]"
+        return "error_event" if error else "completed" if finished else "truncated"
+
+
+async def _load_with_kill(gw: ServerProcess, victim: ServerProcess) -> list[str]:
+    url = gw.url("/v1/chat/completions")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as http:
+        first = [asyncio.create_task(_one_stream(http, url, i)) for i in range(10)]
+        await asyncio.sleep(2.0)
+        victim.proc.kill()
+        later = []
+        for i in range(10):  # keep arriving while the gateway notices
+            later.append(asyncio.create_task(_one_stream(http, url, 100 + i)))
+            await asyncio.sleep(0.1)
+        return await asyncio.wait_for(asyncio.gather(*first, *later), timeout=240)
+
+
+def test_killed_replica_requests_complete_or_fail_explicitly_and_it_returns(replicas):
+    gw = start_gateway("--upstream", replicas[0].base_url, "--upstream", replicas[1].base_url,
+                       "--policy", "round-robin", "--no-gateway")
+    victim = replicas[0]
+    try:
+        outcomes = asyncio.run(_load_with_kill(gw, victim))
+        print("outcomes:", {o: outcomes.count(o) for o in set(outcomes)})
+        assert len(outcomes) == 20 and "truncated" not in outcomes
+        assert all(o in ("completed", "error_event") for o in outcomes), outcomes
+        assert outcomes[10:].count("completed") == 10, "new requests retry on the live replica"
+        up = router_metrics(gw, "upstream_up")
+        assert up[f'ferrylm:router_upstream_up{{model_group={MODEL},replica={victim.base_url}}}'] == 0
+        victim.stop()
+        replicas[0] = victim = ServerProcess(*REPLICA_ARGS, port=victim.port)
+        victim.wait_ready()
+        key = f'ferrylm:router_upstream_healthy{{model_group={MODEL},replica={victim.base_url}}}'
+        deadline = time.monotonic() + 20
+        while router_metrics(gw, "upstream_healthy").get(key) != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert router_metrics(gw, "upstream_healthy")[key] == 1, "the restarted replica is back in rotation"
+        served = {httpx.post(gw.url("/v1/completions"), json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                             timeout=60).headers["x-ferrylm-upstream"] for _ in range(4)}
+        assert victim.base_url in served
+    finally:
+        stop(gw)
+
+
+def test_retries_fallback_groups_and_aliases(replicas, tmp_path):
+    from tests.e2e.server_process import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = tmp_path / "router.yaml"
+    config.write_text(f"""
+breaker_failures: 2
+models:
+  {MODEL}:
+    upstreams: [{dead}, {replicas[1].base_url}]
+    policy: round-robin
+    aliases: [fast-model]
+  primary:
+    upstreams: [{dead}]
+    fallback: {MODEL}
+    tokenizer: {MODEL}
+""")
+    gw = ServerProcess("--router-config", str(config), "--poll-interval", "30", "--no-gateway", command="gateway")
+    gw.wait_ready(60)  # ready: one group has a live replica
+    try:
+        for model in ("fast-model", MODEL, MODEL, "primary"):
+            r = httpx.post(gw.url("/v1/completions"), json={"model": model, "prompt": "Hi", "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ferrylm-upstream"] == replicas[1].base_url
+        ids = [m["id"] for m in httpx.get(gw.url("/v1/models")).json()["data"]]
+        assert set(ids) == {MODEL, "primary", "fast-model"}
+        m = gw.metrics()
+        assert sum(v for k, v in m.items() if k.startswith("ferrylm:router_fallbacks_total")) >= 1
+    finally:
+        stop(gw)
+
+
+def test_standalone_gateway_auth_limits_and_audit(replicas, tmp_path):
+    db = f"sqlite:///{tmp_path}/state.db"
+
+    def cli(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "ferrylm.cli", *args, "--state-db", db], check=True,
+                             capture_output=True, text=True)
+        return out.stdout.strip().splitlines()[-1]
+
+    cli("tenants", "create", "acme", "--tpm", "100000", "--models", MODEL)
+    key = cli("keys", "create", "--tenant", "acme")
+    gw = start_gateway("--upstream", replicas[1].base_url, "--require-auth", "--state-db", db)
+    try:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+        assert httpx.post(gw.url("/v1/completions"), json=body).status_code == 401
+        bad = httpx.post(gw.url("/v1/completions"), json=body, headers={"Authorization": "Bearer sk-wrong"})
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+        ok = httpx.post(gw.url("/v1/completions"), json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert ok.status_code == 200 and ok.headers["x-ratelimit-limit-tokens"] == "100000"
+        with sqlite3.connect(f"{tmp_path}/state.db") as conn:
+            rows = conn.execute("SELECT tenant, status, completion_tokens FROM audit_log").fetchall()
+        assert ("acme", 200, 3) in rows, rows
+    finally:
+        stop(gw)
