@@ -4,13 +4,17 @@ fanout.py runs the engine requests, serving.py shapes the answer."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from ferrylm.engine.async_engine import AsyncEngine, EngineDeadError
 from ferrylm.engine.engine import Engine
@@ -28,7 +32,8 @@ from ferrylm.server.errors import APIError, install_error_handlers, invalid, par
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.middleware import RequestIdMiddleware, new_request_id
-from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest
+from ferrylm.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                    CompletionResponse, ModelCard, ModelList, SamplingRequest)
 from ferrylm.server.serving import ResponseContext
 from ferrylm.server.state import ServerState
 
@@ -133,6 +138,8 @@ async def completions(request: Request) -> Response:
 
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
+    if state.gateway is not None and state.gateway.config.require_auth:  # 401 as on the other /v1 routes
+        await asyncio.to_thread(state.gateway.authenticator.authenticate, request.headers.get("authorization"))
     core = state.engine.engine if state.engine is not None else None
     max_len = core.max_model_len if core is not None else None
     root = core.config.model if core is not None else None
@@ -191,6 +198,39 @@ async def debug_stall(request: Request, seconds: float) -> dict:
     return {"stalled_for": seconds}
 
 
+def _inline_refs(node: Any, defs: dict) -> Any:
+    """`node` with every `{"$ref": "#/$defs/X", ...}` replaced by X itself (plus the siblings)."""
+    if isinstance(node, list):
+        return [_inline_refs(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        rest = {k: v for k, v in node.items() if k != "$ref"}
+        return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs) | _inline_refs(rest, defs)
+    return {k: _inline_refs(v, defs) for k, v in node.items()}
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def error_responses(*statuses: int) -> dict:
+    """`responses` documenting OpenAI-style error answers with these statuses."""
+    content = {"application/json": {"schema": _ERROR_SCHEMA}}
+    return {status: {"description": HTTPStatus(status).phrase, "content": content} for status in statuses}
+
+
+def json_body_openapi(model: type[BaseModel]) -> dict:
+    """`openapi_extra` declaring `model` as the JSON request body. The handlers read and validate
+    the body themselves (size cap, OpenAI-style 400s), so FastAPI cannot infer it; the schema's
+    $defs are inlined because an operation cannot add to components/schemas."""
+    schema = model.model_json_schema()
+    schema = _inline_refs(schema, schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> FastAPI:
     """An app serving one model; the engine is built by `engine_factory` in the background at startup."""
     state = ServerState(config, engine_factory)
@@ -199,9 +239,14 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> Fas
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     app.add_exception_handler(GatewayError, lambda _request, e: error_response(e))
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-    v1.add_api_route("/chat/completions", chat_completions, methods=["POST"])
-    v1.add_api_route("/completions", completions, methods=["POST"])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=error_responses(401))
+    generation_errors = error_responses(400, 403, 404, 413, 429, 503)
+    v1.add_api_route("/chat/completions", chat_completions, methods=["POST"],
+                     responses={200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {}}}}
+                     | generation_errors, openapi_extra=json_body_openapi(ChatCompletionRequest))
+    v1.add_api_route("/completions", completions, methods=["POST"],
+                     responses={200: {"model": CompletionResponse, "content": {"text/event-stream": {}}}}
+                     | generation_errors, openapi_extra=json_body_openapi(CompletionRequest))
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
     app.include_router(v1)
     app.add_api_route("/health", health, methods=["GET"])
