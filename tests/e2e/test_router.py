@@ -201,6 +201,9 @@ def test_killed_replica_requests_complete_or_fail_explicitly_and_it_returns(repl
         assert outcomes[10:].count("completed") == 10, "new requests retry on the live replica"
         up = router_metrics(gw, "upstream_up")
         assert up[f'ferrylm:router_upstream_up{{model_group={MODEL},replica={victim.base_url}}}'] == 0
+        if "error_event" in outcomes:  # streams broken mid-way count as failures: the breaker ejects
+            assert router_metrics(gw, "upstream_ejections")[
+                f'ferrylm:router_upstream_ejections{{model_group={MODEL},replica={victim.base_url}}}'] >= 1
         victim.stop()
         replicas[0] = victim = ServerProcess(*REPLICA_ARGS, port=victim.port)
         victim.wait_ready()

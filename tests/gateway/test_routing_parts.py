@@ -130,7 +130,7 @@ def _ctx(tokens: list[int]) -> RouteContext:
 
 def test_prefix_affinity_sends_shared_prefixes_to_one_replica_and_spills_when_loaded():
     reps = [replica(f"http://r{i}") for i in range(3)]
-    policy = PrefixAffinity([r.url for r in reps], spill_factor=2.0, spill_min_tokens=1000, map_size=1000)
+    policy = PrefixAffinity([r.url for r in reps], credit=1.0, map_size=1000)
     rng = random.Random(0)
     systems = [[rng.randrange(1000) for _ in range(96)] for _ in range(4)]
     homes = {}
@@ -158,7 +158,7 @@ def test_prefix_affinity_sends_shared_prefixes_to_one_replica_and_spills_when_lo
 
 def test_prefix_affinity_map_is_bounded():
     reps = [replica("http://a"), replica("http://b")]
-    policy = PrefixAffinity([r.url for r in reps], 2.0, 1000, map_size=50)
+    policy = PrefixAffinity([r.url for r in reps], 1.0, map_size=50)
     for i in range(20):
         ctx = _ctx(list(range(i * 1000, i * 1000 + 160)))
         policy.record(ctx, reps[i % 2])
@@ -225,3 +225,19 @@ def test_sse_event_parsing():
     assert err.error["code"] == "engine_dead"
     assert _parse(["data: not json"]).data is None
     assert _parse(['data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}']).finished
+
+
+def test_prefix_affinity_spreads_prompts_that_share_only_a_short_template_prefix():
+    """Short chats share the chat template's first blocks; following that match would pin every
+    one of them to one replica. Load decides once the saving (32 tokens) is smaller than the gap."""
+    reps = [replica("http://a"), replica("http://b")]
+    policy = PrefixAffinity([r.url for r in reps], 1.0, map_size=1000)
+    template = list(range(32))  # two shared blocks
+    used = {}
+    for i in range(10):
+        ctx = _ctx(template + [1000 + i] * 20)
+        choice = policy.choose(reps, ctx)
+        policy.record(ctx, choice.replica)
+        choice.replica.begin(ctx.prompt_tokens, 16)  # each stays in flight
+        used[choice.replica.url] = used.get(choice.replica.url, 0) + 1
+    assert used == {"http://a": 5, "http://b": 5}, used

@@ -139,7 +139,8 @@ async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> R
         raise APIError(400, str(e)) from None
     n = req.n or 1
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.router.default_max_tokens
-    ctx = RouteContext(prompt_tokens * n, max_tokens * n * n_prompts, hashes, key)
+    ctx = RouteContext(prompt_tokens * n, max_tokens * n * n_prompts, hashes, key,
+                       block_size or prompt_info.DEFAULT_BLOCK_SIZE)
     started = time.monotonic()
     admission = None
     if state.gateway is not None:

@@ -49,8 +49,7 @@ class RouterConfig:
     retry_budget_min: float = 3.0  # ... plus this many (so a quiet fleet can still retry)
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 300.0  # a replica that accepted but never answers
-    spill_factor: float = 2.0  # prefix affinity: leave the preferred replica when its load exceeds
-    spill_min_tokens: int = 4096  # max(spill_min_tokens, spill_factor x the group's mean load)
+    affinity_credit: float = 1.0  # prefix affinity: a cached prompt token offsets this many outstanding ones
     affinity_map_size: int = 100_000  # block hashes remembered for prefix affinity
     default_max_tokens: int = 256  # expected output when a request sets no max_tokens
     upstream_api_key: str | None = None  # sent to the replicas as a Bearer token

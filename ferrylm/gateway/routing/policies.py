@@ -21,6 +21,7 @@ class RouteContext(NamedTuple):
     expected_output: int
     block_hashes: tuple[int, ...] = ()  # the engine's prefix-cache hashes of the prompt's full blocks
     affinity_key: int | None = None  # fallback key when there are no block hashes (no tokenizer)
+    block_size: int = 16  # tokens per block hash
 
 
 class Choice(NamedTuple):
@@ -101,31 +102,36 @@ class HashRing:
 
 
 class PrefixAffinity:
-    """Send a request where its prefix is most likely cached. The router remembers which replica
-    it sent each block hash to (an LRU map, the router's picture of the fleet's prefix caches); the
-    deepest remembered block wins. Unknown prefixes go by consistent hashing of the first blocks,
-    so identical system prompts land together from the start. A preferred replica whose load is
-    over max(spill_min_tokens, spill_factor x group mean) spills to the least-loaded one."""
+    """Send a request where its prefix is most likely cached, unless that costs more than it saves.
+
+    The router remembers which replica it last sent each block hash to (an LRU map: its picture of
+    the fleet's prefix caches). Each replica's cost is its outstanding tokens minus the prompt
+    tokens it would not have to prefill (`credit` x the deepest remembered block it holds), and the
+    cheapest wins. So a long shared document sticks to its replica, while short prompts that share
+    only the chat template's first blocks spread by load; a preferred replica more loaded than its
+    saving is worth is spilled from. A prefix the router has never seen goes to its replica on a
+    consistent-hash ring (credited with the first `hash_blocks` blocks), so identical system
+    prompts land together from the start and several gateways agree without talking."""
 
     name = "prefix-affinity"
 
-    def __init__(self, urls: Sequence[str], spill_factor: float, spill_min_tokens: int, map_size: int,
-                 hash_blocks: int = 4):
+    def __init__(self, urls: Sequence[str], credit: float, map_size: int, hash_blocks: int = 4):
         self.ring = HashRing(urls)
-        self.spill_factor = spill_factor
-        self.spill_min_tokens = spill_min_tokens
+        self.credit = credit
         self.map_size = map_size
         self.hash_blocks = hash_blocks
         self._owner: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _remembered(self, ctx: RouteContext, by_url: dict[str, Replica]) -> Replica | None:
+    def _remembered_depths(self, ctx: RouteContext, urls: set[str]) -> dict[str, int]:
+        """Per replica, the number of leading blocks it was last sent (deepest first wins)."""
+        depths: dict[str, int] = {}
         with self._lock:
-            for h in reversed(ctx.block_hashes):
-                url = self._owner.get(h)
-                if url is not None and url in by_url:
-                    return by_url[url]
-        return None
+            for depth in range(len(ctx.block_hashes), 0, -1):
+                url = self._owner.get(ctx.block_hashes[depth - 1])
+                if url is not None and url in urls and url not in depths:
+                    depths[url] = depth
+        return depths
 
     def _ring_key(self, ctx: RouteContext) -> int | None:
         if ctx.block_hashes:
@@ -134,19 +140,21 @@ class PrefixAffinity:
 
     def choose(self, candidates: Sequence[Replica], ctx: RouteContext) -> Choice:
         by_url = {r.url: r for r in candidates}
-        preferred, reason = self._remembered(ctx, by_url), "prefix_match"
-        if preferred is None:
+        saved = {url: d * ctx.block_size for url, d in self._remembered_depths(ctx, set(by_url)).items()}
+        reason = "prefix_match"
+        if not saved:
             key = self._ring_key(ctx)
             if key is None:
                 return Choice(least_outstanding(candidates), "least_outstanding")
-            preferred = next(by_url[u] for u in self.ring.walk(key) if u in by_url)
+            home = next(u for u in self.ring.walk(key) if u in by_url)
+            saved = {home: min(len(ctx.block_hashes) or 1, self.hash_blocks) * ctx.block_size}
             reason = "prefix_hash"
-        mean = sum(r.outstanding_tokens for r in candidates) / len(candidates)
-        if preferred.outstanding_tokens > max(self.spill_min_tokens, self.spill_factor * mean):
-            lightest = least_outstanding(candidates)
-            if lightest is not preferred:
-                return Choice(lightest, "spill")
-        return Choice(preferred, reason)
+        order = {url: i for i, url in enumerate(self.ring.walk(self._ring_key(ctx) or 0))}
+        best = min(candidates, key=lambda r: (r.outstanding_tokens - self.credit * saved.get(r.url, 0),
+                                              r.in_flight, order.get(r.url, 0)))
+        if best.url in saved:
+            return Choice(best, reason)
+        return Choice(best, "spill" if reason == "prefix_match" else "least_outstanding")
 
     def record(self, ctx: RouteContext, replica: Replica) -> None:
         """The replica now holds these blocks (or will once it prefills them)."""
@@ -167,5 +175,5 @@ def make_policy(name: str, urls: Sequence[str], config) -> Policy:
     if name == "latency":
         return LatencyEWMA()
     if name == "prefix-affinity":
-        return PrefixAffinity(urls, config.spill_factor, config.spill_min_tokens, config.affinity_map_size)
+        return PrefixAffinity(urls, config.affinity_credit, config.affinity_map_size)
     raise ValueError(f"unknown routing policy {name!r}")
