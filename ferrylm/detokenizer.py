@@ -63,6 +63,7 @@ class IncrementalDetokenizer:
         # the sequence is ever decoded, so we don't keep the rest.
         tail_ids = list(prompt_token_ids[-(PROMPT_CONTEXT_TOKENS + 2):])
         window = tokenizer.convert_ids_to_tokens(tail_ids, skip_special_tokens=skip_special_tokens)
+        window = [t for t in window if t is not None]  # ids past the tokenizer's vocab (padded embeddings)
         self._window: list[str] = list(window[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_text: str = tokenizer.convert_tokens_to_string(self._window) if self._window else ""
         if self._prefix_text.endswith(REPLACEMENT_CHAR):
@@ -99,6 +100,9 @@ class IncrementalDetokenizer:
         if self.finished:
             return DetokenizerDelta("", None)
         tokens = self._tokenizer.convert_ids_to_tokens(list(token_ids), skip_special_tokens=self._skip_special)
+        # A model whose vocab is padded past the tokenizer's (Qwen2) may sample an id with no
+        # text: it decodes to nothing, as tokenizer.decode renders it.
+        tokens = [t for t in tokens if t is not None]
         new_text = "".join([self._decode_next(t) for t in tokens])
         text = self._apply_stop(new_text, final=False)
         return DetokenizerDelta(text, self._stop_reason)

@@ -280,3 +280,12 @@ def test_work_per_token_is_bounded(tok: Any) -> None:
         detok.flush()
         assert detok.output_text == tok.decode(ids)
         assert len(spy.sizes) >= len(ids) and max(spy.sizes) <= 40
+
+
+def test_ids_past_the_tokenizer_vocab_decode_to_nothing(tok: Any) -> None:
+    """Padded vocabularies (Qwen2: 151,936 rows for 151,665 tokens) can sample an id the tokenizer
+    does not know; it must not crash the stream."""
+    beyond = len(tok) + 5
+    detok = IncrementalDetokenizer(tok, enc(tok, "Hi") + [beyond])
+    deltas = stream(detok, [beyond] + enc(tok, " there") + [beyond])
+    assert joined(detok, deltas) == " there"
