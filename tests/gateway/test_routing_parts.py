@@ -241,3 +241,43 @@ def test_prefix_affinity_spreads_prompts_that_share_only_a_short_template_prefix
         choice.replica.begin(ctx.prompt_tokens, 16)  # each stays in flight
         used[choice.replica.url] = used.get(choice.replica.url, 0) + 1
     assert used == {"http://a": 5, "http://b": 5}, used
+
+
+def test_standalone_admission_reads_the_fleet_load():
+    """The standalone gateway sums its replicas' polled engine stats for admission control: an
+    all-down group is shed with 503 at once; a deep fleet queue with 429 + Retry-After."""
+    from ferrylm.gateway import GatewayConfig
+    from ferrylm.gateway.errors import GatewayError
+    from ferrylm.gateway.routing.app import GatewayState
+    from ferrylm.gateway.routing.config import GatewayServerConfig
+    from ferrylm.gateway.routing.replica import ReplicaLoad
+
+    router = RouterConfig((GroupConfig("m", ("http://a", "http://b")),))
+    state = GatewayState(GatewayServerConfig(router, GatewayConfig(state_db="sqlite://")))
+    try:
+        group = state.registry.resolve("m")
+        down = state.group_load(group)
+        assert down is not None and not down.healthy
+        with pytest.raises(GatewayError) as err:
+            state.gateway.admit_sync({}, None, "m", 10, 10, down)
+        assert err.value.status == 503 and "Retry-After" in err.value.headers
+        a, b = group.replicas
+        a.ready = b.ready = True
+        a.load = ReplicaLoad(num_waiting=2, num_running=4, num_waiting_prompt_tokens=100, kv_cache_usage=0.5,
+                             prompt_tokens_total=1000, generation_tokens_total=500)
+        b.load = ReplicaLoad(num_waiting=1, num_running=4, num_waiting_prompt_tokens=50, kv_cache_usage=0.3,
+                             prompt_tokens_total=10, generation_tokens_total=20)
+        load = state.group_load(group)
+        assert (load.num_waiting, load.num_running, load.num_waiting_prompt_tokens) == (3, 8, 150)
+        assert load.healthy and load.tokens_total == 1530 and abs(load.kv_cache_usage - 0.4) < 1e-9
+        admitted = state.gateway.admit_sync({}, None, "m", 10, 10, load)
+        state.gateway.finish_sync(admitted, 200, 10, 10)
+        # A queue the fleet drains at ~100 tok/s with 100k tokens waiting: far over the 10 s budget.
+        state.gateway.drain._rate = 100.0
+        deep = load._replace(num_waiting=500, num_waiting_prompt_tokens=100_000)
+        with pytest.raises(GatewayError) as err:
+            state.gateway.admit_sync({}, None, "m", 10, 10, deep)
+        assert err.value.status == 429 and int(err.value.headers["Retry-After"]) >= 1
+        state.gateway.check_invariants()
+    finally:
+        state.gateway.close()
