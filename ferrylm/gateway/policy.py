@@ -125,13 +125,22 @@ class Gateway:
 
     # the async seam
 
+    async def authenticate(self, request_headers: Mapping[str, str] | None) -> Principal:
+        """Who is calling (AuthError 401 if auth is required and they cannot say). Servers call it
+        before reading the body, so an unauthenticated caller learns nothing about validation."""
+        call = functools.partial(self._identify, _header(request_headers, "authorization"))
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
     async def admit(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
                     prompt_tokens: int, max_tokens: int, stats_snapshot: object | None, *,
-                    request_id: str | None = None, engine_healthy: bool = True) -> Admission:
+                    request_id: str | None = None, engine_healthy: bool = True,
+                    principal: Principal | None = None) -> Admission:
         """Admit a request or raise GatewayError. If the caller is cancelled meanwhile, an
-        admission that still went through is finished (released) in the background."""
+        admission that still went through is finished (released) in the background. `principal`:
+        the result of `authenticate`, if the caller already ran it."""
         call = functools.partial(self.admit_sync, request_headers, client_addr, model, prompt_tokens, max_tokens,
-                                 stats_snapshot, request_id=request_id, engine_healthy=engine_healthy)
+                                 stats_snapshot, request_id=request_id, engine_healthy=engine_healthy,
+                                 principal=principal)
         future = asyncio.get_running_loop().run_in_executor(self._executor, call)
         try:
             return await asyncio.shield(future)
@@ -165,10 +174,11 @@ class Gateway:
 
     def admit_sync(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
                    prompt_tokens: int, max_tokens: int, stats_snapshot: object | None, *,
-                   request_id: str | None = None, engine_healthy: bool = True) -> Admission:
+                   request_id: str | None = None, engine_healthy: bool = True,
+                   principal: Principal | None = None) -> Admission:
         started = self._clock()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        principal = self._identify(_header(request_headers, "authorization"))
+        principal = principal or self._identify(_header(request_headers, "authorization"))
         try:
             return self._admit_principal(principal, client_addr, model, prompt_tokens, max_tokens,
                                          stats_snapshot, request_id, engine_healthy, started)

@@ -4,7 +4,6 @@ fanout.py runs the engine requests, serving.py shapes the answer."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -103,6 +102,7 @@ async def _serve(request: Request, state: ServerState, engine: AsyncEngine, ctx:
 
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
+    await gatekeeping.authenticate(request, state)
     engine = state.admit()
     req = parse_model(ChatCompletionRequest, await read_json_body(request, state.config.max_body_bytes))
     ctx_id = _request_id(request, "chatcmpl")
@@ -119,6 +119,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state = _state(request)
+    await gatekeeping.authenticate(request, state)
     engine = state.admit()
     req = parse_model(CompletionRequest, await read_json_body(request, state.config.max_body_bytes))
     ctx_id = _request_id(request, "cmpl")
@@ -138,8 +139,7 @@ async def completions(request: Request) -> Response:
 
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    if state.gateway is not None and state.gateway.config.require_auth:  # 401 as on the other /v1 routes
-        await asyncio.to_thread(state.gateway.authenticator.authenticate, request.headers.get("authorization"))
+    await gatekeeping.authenticate(request, state)  # 401 as on the other /v1 routes
     core = state.engine.engine if state.engine is not None else None
     max_len = core.max_model_len if core is not None else None
     root = core.config.model if core is not None else None

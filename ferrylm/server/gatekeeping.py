@@ -15,6 +15,12 @@ from ferrylm.server.fanout import Fanout
 from ferrylm.server.state import ServerState
 
 
+async def authenticate(request: Request, state: ServerState) -> None:
+    """401 before anything else (body parsing included); the principal waits in request.state."""
+    if state.gateway is not None:
+        request.state.principal = await state.gateway.authenticate(request.headers)
+
+
 async def admit(request: Request, state: ServerState, engine: AsyncEngine, request_id: str, model: str,
                 prompts: list[list[int]], params: SamplingParams, max_model_len: int) -> Admission | None:
     """Auth, rate limits, quotas and load shedding; raises GatewayError (401/403/429/503) at once."""
@@ -26,7 +32,7 @@ async def admit(request: Request, state: ServerState, engine: AsyncEngine, reque
     return await state.gateway.admit(
         request.headers, client, model, sum(len(p) for p in prompts) * params.n,
         per_choice * params.n * len(prompts), engine.stats(), request_id=request_id,
-        engine_healthy=engine.is_running)
+        engine_healthy=engine.is_running, principal=getattr(request.state, "principal", None))
 
 
 def priority(state: ServerState, admission: Admission | None, requested: int | None) -> int:

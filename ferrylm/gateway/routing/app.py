@@ -124,6 +124,7 @@ def _upstream_body(body: dict, req: ChatCompletionRequest | CompletionRequest, p
 async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> Response:
     state = _state(request)
     state.drain.check_admitting()
+    principal = await state.gateway.authenticate(request.headers) if state.gateway is not None else None
     body = await read_json_body(request, state.config.max_body_bytes)
     req = parse_model(model_cls, body)
     group = state.registry.resolve(req.model)
@@ -146,7 +147,8 @@ async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> R
     if state.gateway is not None:
         admission = await state.gateway.admit(request.headers, request.client.host if request.client else None,
                                               group.name, ctx.prompt_tokens, ctx.expected_output,
-                                              state.group_load(group), request_id=request_id)
+                                              state.group_load(group), request_id=request_id,
+                                              principal=principal)
     priority = admission.priority if admission is not None and state.gateway.config.require_auth else None
 
     async def settle(status: int, prompt: int | None, completion: int) -> None:
@@ -202,7 +204,10 @@ async def completions(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> ModelList:
-    registry = _state(request).registry
+    state = _state(request)
+    if state.gateway is not None:
+        await state.gateway.authenticate(request.headers)
+    registry = state.registry
     return ModelList(data=[ModelCard(id=name, root=group) for name, group in registry.model_names()])
 
 
