@@ -39,6 +39,7 @@ class Result:
     e2e: float
     tokens: int
     replica: str
+    error: str = ""
 
 
 @dataclass
@@ -90,17 +91,20 @@ async def send(http: httpx.AsyncClient, url: str, kind: str, messages: list[dict
             replica = r.headers.get("x-ferrylm-upstream", "")
             if r.status_code != 200:
                 await r.aread()
-                return Result(kind, False, 0.0, time.perf_counter() - start, 0, replica)
+                return Result(kind, False, 0.0, time.perf_counter() - start, 0, replica,
+                              f"{r.status_code} {r.text[:200]}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
                 data = json.loads(line[6:])
+                if "error" in data:
+                    return Result(kind, False, 0.0, time.perf_counter() - start, 0, replica, str(data["error"]))
                 if not ttft and any((c.get("delta") or {}).get("content") for c in data.get("choices") or []):
                     ttft = time.perf_counter() - start
                 if data.get("usage"):
                     tokens = data["usage"]["completion_tokens"]
-    except httpx.HTTPError:
-        return Result(kind, False, 0.0, time.perf_counter() - start, 0, replica)
+    except httpx.HTTPError as e:
+        return Result(kind, False, 0.0, time.perf_counter() - start, 0, replica, f"{type(e).__name__}: {e}")
     return Result(kind, tokens > 0, ttft, time.perf_counter() - start, tokens, replica)
 
 
@@ -152,6 +156,9 @@ def _run_policy(policy: str, replicas, args) -> tuple[Row, list[Result]]:
     finally:
         gw.stop()
     ok = [r for r in results if r.ok]
+    for r in results:
+        if not r.ok:
+            print(f"[{policy}: failed {r.kind} request: {r.error}]", file=sys.stderr)
     names = {r.base_url: f"r{i}" for i, r in enumerate(replicas)}
     split = {names.get(u, u): sum(1 for r in results if r.replica == u) for u in sorted({r.replica for r in results})}
     row = Row(policy, len(ok), len(results) - len(ok), seconds, sum(r.tokens for r in ok) / seconds,

@@ -18,6 +18,9 @@ from ferrylm.server.config import ServerConfig
 from ferrylm.server.state import ServerState
 
 log = logging.getLogger("ferrylm.server")
+# Longer than httpx's (and so the openai SDK's) 5 s pool expiry: a client never reuses a
+# keep-alive connection at the instant the server closes it.
+KEEP_ALIVE_S = 15
 
 
 class DrainingServer(uvicorn.Server):
@@ -81,7 +84,8 @@ def run_server(config: ServerConfig, engine_factory: Callable[[], Engine]) -> in
     app = build_app(config, engine_factory)
     state: ServerState = app.state.ferry
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                               timeout_graceful_shutdown=5, log_level=config.log_level)
+                               timeout_graceful_shutdown=5, log_level=config.log_level,
+                               timeout_keep_alive=KEEP_ALIVE_S)
     server = DrainingServer(uv_config, state)
     host, port = sock.getsockname()[:2]
     log.info("listening", extra={"url": f"http://{host}:{port}", "host": host, "port": port,

@@ -60,8 +60,10 @@ class GatewayState:
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
         r = self.config.router
         timeout = httpx.Timeout(r.first_byte_timeout_s, connect=r.connect_timeout_s)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
-                                                                             max_keepalive_connections=256))
+        # Idle upstream connections expire well before the replicas' keep-alive timeout, so the
+        # gateway never sends on a connection the replica is closing.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.dispatcher = Dispatcher(self.registry, r, self.client, self.metrics)
         self.poller = HealthPoller(self.registry, r, self.client)
         await self.poller.poll_once()
