@@ -30,10 +30,19 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Output tokens the requests may still generate (max_tokens minus generated): admission control
+    # scales these by the fraction of max_tokens requests really use.
+    num_waiting_output_tokens: int = 0
+    num_running_output_tokens: int = 0
+    max_num_seqs: int | None = None
 
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def _output_left(request: Request) -> int:
+    return max(0, request.max_tokens - (request.num_tokens - len(request.prompt_token_ids)))
 
 
 @dataclass
@@ -176,4 +185,7 @@ class Engine:
         used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
         return EngineStats(s.num_waiting, s.num_running, waiting_tokens, used, self.block_manager.num_blocks,
                            s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions,
-                           self.prompt_tokens_total, self.generation_tokens_total)
+                           self.prompt_tokens_total, self.generation_tokens_total,
+                           sum(_output_left(r) for r in self.scheduler.waiting),
+                           sum(_output_left(r) for r in self.scheduler.running),
+                           self.config.scheduler.max_num_seqs)

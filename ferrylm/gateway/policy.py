@@ -212,7 +212,8 @@ class Gateway:
                          started: float) -> Admission:
         check_model(principal, model)
         load = self._load(stats_snapshot, engine_healthy, started)
-        decision = self.admission.decide(load, principal.tier, self.drain.rate, self.drain.mean_completion_tokens)
+        decision = self.admission.decide(load, principal.tier, self.drain.rate, self.drain.mean_completion_tokens,
+                                         self.drain.output_fraction)
         if not decision.admitted:
             raise shed_error(decision, principal.tier)
         tokens = max(0, prompt_tokens) + max(0, max_tokens)
@@ -251,7 +252,8 @@ class Gateway:
         tenant, used, now = admission.principal.tenant, max(0, prompt_tokens) + max(0, completion_tokens), self._clock()
         self.concurrency.release(tenant)
         self.daily.release(tenant, admission.daily_hold)
-        self.drain.observe_completion(used, completion_tokens, others, now)
+        self.drain.observe_completion(used, completion_tokens, others, now,
+                                      admission.max_tokens if status == 200 else None)
         if admission.reservation is not None:
             try:
                 self.limiter.settle(admission.reservation, used)

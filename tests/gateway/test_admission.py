@@ -117,3 +117,44 @@ def test_gateway_sheds_before_any_engine_work(make_gateway, store, clock):
     with pytest.raises(GatewayError) as info:
         gw.admit_sync({"Authorization": f"Bearer {key}"}, None, "m", 1, 1, stats(), engine_healthy=False)
     assert info.value.status == 503 and info.value.headers["Retry-After"] == "5"
+
+
+def test_output_budgets_follow_the_max_tokens_of_the_queue(controller):
+    """With the engine's output budgets the projection does not depend on what earlier requests
+    looked like: after a run of 1-token requests (mean completion 1), eight queued 48-token
+    requests still count as 8 x 48 x the used fraction."""
+    load = EngineLoad(num_waiting=8, num_running=2, num_waiting_prompt_tokens=800, kv_cache_usage=0.1,
+                      waiting_output_tokens=8 * 48, running_output_tokens=2 * 30, max_num_seqs=64)
+    d = controller.decide(load, "standard", drain_rate=100.0, mean_completion=1.0, output_fraction=1.0)
+    assert d.projected_wait_s == pytest.approx((800 + 384) / 100)
+    half = controller.decide(load, "standard", drain_rate=100.0, mean_completion=1.0, output_fraction=0.5)
+    assert half.projected_wait_s == pytest.approx((800 + 192) / 100)
+
+
+def test_a_full_batch_adds_the_running_work_that_frees_the_needed_slots(controller):
+    """8 of 8 slots busy, 2 queued: the new request needs 3 slots to free, so 3/8 of the running
+    requests' remaining output is ahead of it too."""
+    load = EngineLoad(num_waiting=2, num_running=8, num_waiting_prompt_tokens=100, kv_cache_usage=0.3,
+                      waiting_output_tokens=2 * 48, running_output_tokens=8 * 40, max_num_seqs=8)
+    d = controller.decide(load, "standard", drain_rate=100.0, mean_completion=128, output_fraction=1.0)
+    assert d.projected_wait_s == pytest.approx((100 + 96 + 320 * 3 / 8) / 100)
+    roomy = load._replace(max_num_seqs=64)
+    assert controller.decide(roomy, "standard", 100.0, 128, 1.0).projected_wait_s == pytest.approx(196 / 100)
+
+
+def test_tracker_learns_the_used_fraction_of_max_tokens():
+    tracker = DrainRateTracker()
+    assert tracker.output_fraction == 1.0
+    for _ in range(60):
+        tracker.observe_completion(100, 25, False, 0.0, max_tokens=100)
+    assert tracker.output_fraction == pytest.approx(0.25, abs=0.01)
+    tracker.observe_completion(100, 500, False, 0.0, max_tokens=100)  # never above 1
+    tracker.check_invariants()
+
+
+def test_engine_stats_carry_output_budgets():
+    """EngineLoad reads the new EngineStats fields by name (and tolerates their absence)."""
+    full = EngineLoad.from_stats(stats(2, 3, 40, num_waiting_output_tokens=96, num_running_output_tokens=50,
+                                       max_num_seqs=8))
+    assert (full.waiting_output_tokens, full.running_output_tokens, full.max_num_seqs) == (96, 50, 8)
+    assert EngineLoad.from_stats(stats(2, 3, 40)).waiting_output_tokens is None

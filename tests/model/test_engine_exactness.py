@@ -167,3 +167,22 @@ def test_llm_n_logprobs_and_stop(llm_fp32):
                                                                            stop=[word]), use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason.value == "stop" and stopped.stop_reason == word
     assert stopped.text == greedy[:greedy.index(word)]
+
+
+def test_stats_report_output_budgets_for_admission(llm_fp32, prompts16):
+    """EngineStats: output tokens the waiting and running requests may still generate, and the
+    batch size (admission control reads them)."""
+    engine = engine_like(llm_fp32, max_num_seqs=2)
+    for i, ids in enumerate(prompts16[:3]):
+        engine.add_request(str(i), ids, GREEDY)
+    s = engine.stats()
+    assert (s.num_waiting, s.num_waiting_output_tokens, s.num_running_output_tokens, s.max_num_seqs) == \
+        (3, 3 * NEW, 0, 2)
+    while engine.stats().num_running < 2 or engine.stats().num_running_output_tokens == 2 * NEW:
+        engine.step()
+    s = engine.stats()
+    generated = 2 * NEW - s.num_running_output_tokens
+    assert s.num_waiting == 1 and s.num_waiting_output_tokens == NEW and generated >= 1
+    run_to_completion(engine)
+    s = engine.stats()
+    assert (s.num_waiting_output_tokens, s.num_running_output_tokens) == (0, 0)

@@ -98,7 +98,10 @@ class GatewayState:
         return EngineLoad(sum(x.num_waiting for x in loads), sum(x.num_running for x in loads),
                           sum(x.num_waiting_prompt_tokens for x in loads),
                           sum(x.kv_cache_usage for x in loads) / len(loads), healthy,
-                          sum(x.prompt_tokens_total + x.generation_tokens_total for x in loads))
+                          sum(x.prompt_tokens_total + x.generation_tokens_total for x in loads),
+                          sum(x.num_waiting_output_tokens for x in loads),
+                          sum(x.num_running_output_tokens for x in loads),
+                          sum(x.max_num_seqs for x in loads) or None)
 
 
 def _state(request: Request) -> GatewayState:

@@ -21,12 +21,15 @@ class ReplicaLoad:
     generation_tokens_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_waiting_output_tokens: int = 0
+    num_running_output_tokens: int = 0
+    max_num_seqs: int = 0
     healthy: bool = True
 
     @classmethod
     def from_json(cls, body: dict) -> "ReplicaLoad":
         fields = cls.__dataclass_fields__
-        return cls(**{k: type(f.default)(body[k]) for k, f in fields.items() if k in body})
+        return cls(**{k: type(f.default)(body[k]) for k, f in fields.items() if body.get(k) is not None})
 
 
 class Ticket:
