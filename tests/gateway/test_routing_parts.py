@@ -281,3 +281,51 @@ def test_standalone_admission_reads_the_fleet_load():
         state.gateway.check_invariants()
     finally:
         state.gateway.close()
+
+
+def test_poller_tolerates_slow_probes_but_not_refusals_or_draining():
+    """Scripted /ready answers through httpx's MockTransport (the e2e tests use real replicas)."""
+    import asyncio
+
+    import httpx
+
+    from ferrylm.gateway.routing.poller import HealthPoller
+
+    script: list = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/load":
+            return httpx.Response(200, json={"num_waiting": 3, "block_size": 16, "models": ["served-name"]})
+        answer = script.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer[0], json={"status": answer[1]})
+
+    config = RouterConfig((GroupConfig("m", ("http://a",)),), poll_failures=2)
+    registry = ReplicaRegistry(config)
+    rep = registry.replicas()[0]
+
+    async def run(answers) -> list[bool]:
+        script[:] = answers
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            poller = HealthPoller(registry, config, client)
+            seen = []
+            for _ in answers:
+                await poller.poll_once()
+                seen.append(rep.ready)
+            return seen
+
+    timeout = httpx.ReadTimeout("slow")
+    assert asyncio.run(run([(200, "ok"), timeout, (503, "no token within 5.0s"), (200, "ok")])) == \
+        [True, True, False, True]
+    assert rep.load.num_waiting == 3 and rep.block_size == 16 and rep.served_model == "served-name"
+    assert asyncio.run(run([(200, "ok"), httpx.ConnectError("refused")])) == [True, False]
+    assert asyncio.run(run([(200, "ok"), (503, "draining")])) == [True, False]
+    assert asyncio.run(run([(503, "loading"), (200, "ok")])) == [False, True]
+    # An ejected replica that polls ready after its cool-down is closed again (the half-open probe).
+    for _ in range(3):
+        rep.breaker.record_failure(0.0)
+    assert rep.ejected
+    rep.breaker.opened_at = -100.0
+    asyncio.run(run([(200, "ok")]))
+    assert not rep.ejected and rep.available(0.0)

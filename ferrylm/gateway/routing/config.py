@@ -40,7 +40,8 @@ class RouterConfig:
 
     groups: tuple[GroupConfig, ...]
     poll_interval_s: float = 1.0  # active readiness polling of every upstream's /ready and /load
-    poll_timeout_s: float = 2.0
+    poll_timeout_s: float = 6.0  # /ready runs a real token (the replica's own probe waits up to 5 s)
+    poll_failures: int = 3  # slow or failed probes in a row before a replica leaves rotation
     breaker_failures: int = 3  # consecutive failures that eject a replica
     breaker_open_s: float = 5.0  # ejected this long, then one half-open probe decides
     max_attempts: int = 3  # tries per request across replicas, before the first byte only
@@ -66,8 +67,8 @@ class RouterConfig:
         for group in self.groups:
             if group.fallback is not None and group.fallback not in {g.name for g in self.groups}:
                 raise ConfigError(f"model group {group.name!r}: fallback {group.fallback!r} is not a group")
-        if self.max_attempts < 1 or self.breaker_failures < 1:
-            raise ConfigError("max_attempts and breaker_failures must be at least 1")
+        if min(self.max_attempts, self.breaker_failures, self.poll_failures) < 1:
+            raise ConfigError("max_attempts, breaker_failures and poll_failures must be at least 1")
         if min(self.poll_interval_s, self.poll_timeout_s, self.breaker_open_s, self.connect_timeout_s) <= 0:
             raise ConfigError("router intervals and timeouts must be positive")
 

@@ -1,6 +1,8 @@
-"""Active health checks: poll every replica's /ready and /load. A failed poll takes the replica
-out of rotation at once; a replica whose breaker has cooled down and that polls ready again is
-closed (the half-open probe), so a restarted replica comes back without live traffic."""
+"""Active health checks: poll every replica's /ready and /load. A refused connection or a
+draining replica leaves rotation at once; a slow or failed probe only after `poll_failures`
+polls in a row, because /ready runs a real token through a busy replica's engine and a fleet
+under load must not look dead. A replica whose breaker has cooled down and that polls ready again
+is closed (the half-open probe), so a restarted replica comes back without live traffic."""
 
 from __future__ import annotations
 
@@ -39,13 +41,32 @@ class HealthPoller:
             await self.poll_once()
             await asyncio.sleep(self.config.poll_interval_s)
 
-    async def _poll(self, replica: Replica) -> None:
-        timeout = self.config.poll_timeout_s
+    async def _ready(self, replica: Replica) -> tuple[bool, bool]:
+        """(ready, down at once): refused or draining is decisive, a slow or failed probe is not."""
         try:
-            ready = (await self.client.get(replica.url + "/ready", timeout=timeout)).status_code == 200
-            load = await self.client.get(replica.url + "/load", timeout=timeout) if ready else None
+            r = await self.client.get(replica.url + "/ready", timeout=self.config.poll_timeout_s)
+        except (httpx.ConnectError, httpx.RemoteProtocolError):
+            return False, True
         except httpx.HTTPError:
-            ready, load = False, None
+            return False, False
+        if r.status_code == 200:
+            return True, False
+        try:
+            status = r.json().get("status", "")
+        except ValueError:
+            status = ""
+        return False, status == "draining" or status.startswith(("load failed", "engine loop"))
+
+    async def _poll(self, replica: Replica) -> None:
+        ok, decisive = await self._ready(replica)
+        replica.poll_failures = 0 if ok else replica.poll_failures + 1
+        ready = ok or (replica.ready and not decisive and replica.poll_failures < self.config.poll_failures)
+        load = None
+        if ok:
+            try:
+                load = await self.client.get(replica.url + "/load", timeout=self.config.poll_timeout_s)
+            except httpx.HTTPError:
+                pass
         if load is not None and load.status_code == 200:
             body = load.json()
             replica.load = ReplicaLoad.from_json(body)

@@ -61,6 +61,7 @@ class Replica:
         self.breaker = breaker
         self.ready = False  # from the poller: /ready answered 200
         self.ever_ready = False
+        self.poll_failures = 0  # consecutive failed readiness polls
         self.load: ReplicaLoad | None = None
         self.served_model: str | None = None  # the upstream's own model name, from /load
         self.block_size: int | None = None
