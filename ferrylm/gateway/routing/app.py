@@ -126,6 +126,35 @@ def _upstream_body(body: dict, req: ChatCompletionRequest | CompletionRequest, p
     return out
 
 
+async def _route_context(state: GatewayState, group: ModelGroup,
+                         req: ChatCompletionRequest | CompletionRequest) -> RouteContext:
+    """Token counts (for limits, admission and outstanding tokens) and prefix hashes (for affinity)."""
+    block_size = group.upstream_block_size()
+    try:
+        n_prompts, prompt_tokens, hashes, key = await asyncio.to_thread(prompt_info.describe, group.tokenizer,
+                                                                         block_size, req)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    n = req.n or 1
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.router.default_max_tokens
+    return RouteContext(prompt_tokens * n, max_tokens * n * n_prompts, hashes, key,
+                        block_size or prompt_info.DEFAULT_BLOCK_SIZE)
+
+
+class _Settlement:
+    """Finishes the gateway admission (limits, quota, audit) with the usage the response reported."""
+
+    def __init__(self, state: GatewayState, admission, ctx: RouteContext):
+        self._state, self._admission, self._ctx = state, admission, ctx
+        self._started = time.monotonic()
+
+    async def __call__(self, status: int, prompt: int | None, completion: int) -> None:
+        if self._admission is not None:
+            await self._state.gateway.finish(self._admission, status,
+                                             prompt if prompt is not None else self._ctx.prompt_tokens,
+                                             completion, time.monotonic() - self._started)
+
+
 async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> Response:
     state = _state(request)
     state.drain.check_admitting()
@@ -135,32 +164,16 @@ async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> R
     group = state.registry.resolve(req.model)
     if group is None:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
-    request_id = request.state.request_id or new_request_id(prefix)
-    request.state.request_id = request_id
-    block_size = group.upstream_block_size()
-    try:
-        n_prompts, prompt_tokens, hashes, key = await asyncio.to_thread(prompt_info.describe, group.tokenizer,
-                                                                         block_size, req)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-    n = req.n or 1
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.router.default_max_tokens
-    ctx = RouteContext(prompt_tokens * n, max_tokens * n * n_prompts, hashes, key,
-                       block_size or prompt_info.DEFAULT_BLOCK_SIZE)
-    started = time.monotonic()
+    request.state.request_id = request_id = request.state.request_id or new_request_id(prefix)
+    ctx = await _route_context(state, group, req)
     admission = None
     if state.gateway is not None:
         admission = await state.gateway.admit(request.headers, request.client.host if request.client else None,
                                               group.name, ctx.prompt_tokens, ctx.expected_output,
                                               state.group_load(group), request_id=request_id,
                                               principal=principal)
+    settle = _Settlement(state, admission, ctx)
     priority = admission.priority if admission is not None and state.gateway.config.require_auth else None
-
-    async def settle(status: int, prompt: int | None, completion: int) -> None:
-        if admission is not None:
-            await state.gateway.finish(admission, status, prompt if prompt is not None else ctx.prompt_tokens,
-                                       completion, time.monotonic() - started)
-
     headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
     try:
         d = await cancel_on_disconnect(request, state.dispatcher.dispatch(
@@ -168,12 +181,10 @@ async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> R
     except ClientDisconnected:
         await settle(499, None, 0)
         return Response(status_code=499)
-    except APIError as e:
-        state.metrics.requests.labels(group.name, str(e.status)).inc()
-        await settle(e.status, None, 0)
-        raise
-    except BaseException:
-        await settle(500, None, 0)
+    except BaseException as e:
+        status = e.status if isinstance(e, APIError) else 500
+        state.metrics.requests.labels(group.name, str(status)).inc()
+        await settle(status, None, 0)
         raise
     extra = (admission.response_headers if admission is not None else {}) | {"X-FerryLM-Upstream": d.replica.url}
     if req.stream and d.response.status_code == 200:
