@@ -275,3 +275,36 @@ def test_standalone_gateway_auth_limits_and_audit(replicas, tmp_path):
         assert ("acme", 200, 3) in rows, rows
     finally:
         stop(gw)
+
+
+def test_sigterm_drains_proxied_streams_then_exits_zero(replicas):
+    import signal
+    import threading
+
+    gw = start_gateway("--upstream", replicas[1].base_url, "--no-gateway")
+    events: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        body = chat([{"role": "user", "content": "Describe a harbour at dawn."}], max_tokens=48, ignore_eos=True,
+                    stream=True)
+        with httpx.stream("POST", gw.url("/v1/chat/completions"), json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60)
+    gw.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    refused = httpx.post(gw.url("/v1/completions"), json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                         timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    reader.join(120)
+    assert gw.proc.wait(60) == 0, gw.log_tail()
+    gw.stop()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -141,6 +141,14 @@ async def _route_context(state: GatewayState, group: ModelGroup,
                         block_size or prompt_info.DEFAULT_BLOCK_SIZE)
 
 
+class _Waiting:
+    """A non-streaming request in flight, for the drain to wait on (past the deadline uvicorn's
+    graceful shutdown ends it)."""
+
+    def abort(self) -> None:
+        pass
+
+
 class _Settlement:
     """Finishes the gateway admission (limits, quota, audit) with the usage the response reported."""
 
@@ -175,9 +183,18 @@ async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> R
     settle = _Settlement(state, admission, ctx)
     priority = admission.priority if admission is not None and state.gateway.config.require_auth else None
     headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
+    waiting = _Waiting()
+    state.drain.add(waiting)
     try:
         d = await cancel_on_disconnect(request, state.dispatcher.dispatch(
             group, path, _upstream_body(body, req, priority), headers, ctx, bool(req.stream)))
+        extra = (admission.response_headers if admission is not None else {}) | {"X-FerryLM-Upstream": d.replica.url}
+        if req.stream and d.response.status_code == 200:
+            relay = StreamRelay(d, bool(req.stream_options and req.stream_options.include_usage), settle,
+                                state.metrics, state.dispatcher.record_failure, state.drain.discard)
+            state.drain.add(relay)
+            return SSEResponse(relay, headers=SSE_HEADERS | extra)
+        return await _answer(state, d, settle, extra)
     except ClientDisconnected:
         await settle(499, None, 0)
         return Response(status_code=499)
@@ -186,12 +203,8 @@ async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> R
         state.metrics.requests.labels(group.name, str(status)).inc()
         await settle(status, None, 0)
         raise
-    extra = (admission.response_headers if admission is not None else {}) | {"X-FerryLM-Upstream": d.replica.url}
-    if req.stream and d.response.status_code == 200:
-        relay = StreamRelay(d, bool(req.stream_options and req.stream_options.include_usage), settle,
-                            state.metrics, state.dispatcher.record_failure)
-        return SSEResponse(relay, headers=SSE_HEADERS | extra)
-    return await _answer(state, d, settle, extra)
+    finally:
+        state.drain.discard(waiting)
 
 
 async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Response:

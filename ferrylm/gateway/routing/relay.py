@@ -5,6 +5,7 @@ replica fails mid-stream the client gets an explicit error event and [DONE], nev
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,8 +26,9 @@ class StreamRelay:
     async generator, so that closing it settles even if it was never started."""
 
     def __init__(self, d: Dispatch, wants_usage: bool, settle: Settle, metrics: RouterMetrics,
-                 on_failure: Callable[[object], None]):
-        self._d, self._wants_usage, self._settle_cb = d, wants_usage, settle
+                 on_failure: Callable[[object], None], on_done: Callable[["StreamRelay"], None] = lambda _: None):
+        self._d, self._wants_usage, self._settle_cb, self._on_done = d, wants_usage, settle, on_done
+        self._aborted = False
         self._metrics, self._on_failure = metrics, on_failure
         self._pending = list(d.head)
         self._completion = 0
@@ -65,16 +67,26 @@ class StreamRelay:
             reason = "closed the stream without [DONE]"
         except httpx.HTTPError as e:
             reason = f"failed mid-stream ({type(e).__name__})"
-        self._fail(reason)
+        if self._aborted:
+            self._end_with_error("The gateway is shutting down; the response is incomplete.", "draining", 503)
+        else:
+            self._fail(reason)
         return None
+
+    def abort(self) -> None:
+        """Drain deadline passed: cut the upstream stream; the client gets an error event and [DONE]."""
+        self._aborted = True
+        asyncio.ensure_future(self._d.response.aclose())
 
     def _fail(self, reason: str) -> None:
         log.warning("replica stream broke", extra={"replica": self._d.replica.url, "reason": reason})
         self._on_failure(self._d.replica)
         self._metrics.stream_errors.labels(self._d.group.name).inc()
-        self._status = 502
-        self._tail = [error_event(f"The model replica {reason}; the response is incomplete.", "upstream_error"),
-                      DONE]
+        self._end_with_error(f"The model replica {reason}; the response is incomplete.", "upstream_error", 502)
+
+    def _end_with_error(self, message: str, code: str, status: int) -> None:
+        self._status = status
+        self._tail = [error_event(message, code), DONE]
         self._finished = True
 
     def _on_first_token(self, at: float) -> None:
@@ -109,6 +121,7 @@ class StreamRelay:
         if self._settled:
             return
         self._settled = True
+        self._on_done(self)
         await self._d.aclose()
         usage = self._usage or {}
         completion = usage.get("completion_tokens", self._completion)
