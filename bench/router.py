@@ -143,7 +143,7 @@ def run_policy(policy: str, args) -> tuple[Row, list[Result]]:
 
 def _run_policy(policy: str, replicas, args) -> tuple[Row, list[Result]]:
     upstreams = [a for r in replicas for a in ("--upstream", r.base_url)]
-    gw = ServerProcess(*upstreams, "--policy", policy, "--no-gateway", command="gateway")
+    gw = ServerProcess(*upstreams, "--policy", policy, "--no-gateway", "--expose-upstream-header", command="gateway")
     gw.wait_ready(120)
     try:
         for r in replicas:

@@ -145,6 +145,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="Bearer key the replicas require (their --api-key)")
     p.add_argument("--max-attempts", type=int, default=None, help="tries per request before the first token")
     p.add_argument("--poll-interval", type=float, default=None, help="seconds between /ready polls")
+    p.add_argument("--expose-upstream-header", action="store_true", default=None,
+                   help="name the replica that answered in an X-FerryLM-Upstream response header (debugging)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -160,7 +162,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     try:
         router = load_router_config(args.router_config, args.upstream, default_model=args.model, policy=args.policy,
                                     upstream_api_key=args.upstream_api_key, max_attempts=args.max_attempts,
-                                    poll_interval_s=args.poll_interval)
+                                    poll_interval_s=args.poll_interval, expose_upstream=args.expose_upstream_header)
     except ConfigError as e:
         print(f"ferrylm gateway: {e}", file=sys.stderr)
         return 2

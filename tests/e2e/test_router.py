@@ -34,7 +34,7 @@ def replicas():
 
 
 def start_gateway(*args: str) -> ServerProcess:
-    gw = ServerProcess(*args, "--poll-interval", "0.25", command="gateway")
+    gw = ServerProcess(*args, "--poll-interval", "0.25", "--expose-upstream-header", command="gateway")
     gw.wait_ready(60)
     return gw
 
@@ -236,7 +236,8 @@ models:
     fallback: {MODEL}
     tokenizer: {MODEL}
 """)
-    gw = ServerProcess("--router-config", str(config), "--poll-interval", "30", "--no-gateway", command="gateway")
+    gw = ServerProcess("--router-config", str(config), "--poll-interval", "30", "--no-gateway",
+                       "--expose-upstream-header", command="gateway")
     gw.wait_ready(60)  # ready: one group has a live replica
     try:
         for model in ("fast-model", MODEL, MODEL, "primary"):

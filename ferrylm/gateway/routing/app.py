@@ -137,8 +137,9 @@ async def _route_context(state: GatewayState, group: ModelGroup,
         raise APIError(400, str(e)) from None
     n = req.n or 1
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.router.default_max_tokens
+    echo_chunks = n * n_prompts if getattr(req, "echo", False) else 0
     return RouteContext(prompt_tokens * n, max_tokens * n * n_prompts, hashes, key,
-                        block_size or prompt_info.DEFAULT_BLOCK_SIZE)
+                        block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks)
 
 
 class _Waiting:
@@ -166,6 +167,15 @@ class _Settlement:
 async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> Response:
     state = _state(request)
     state.drain.check_admitting()
+    waiting = _Waiting()
+    state.drain.add(waiting)  # from here the SIGTERM drain waits for this request
+    try:
+        return await _proxy_admitted(request, state, model_cls, path, prefix)
+    finally:
+        state.drain.discard(waiting)
+
+
+async def _proxy_admitted(request: Request, state: GatewayState, model_cls: type, path: str, prefix: str) -> Response:
     principal = await state.gateway.authenticate(request.headers) if state.gateway is not None else None
     body = await read_json_body(request, state.config.max_body_bytes)
     req = parse_model(model_cls, body)
@@ -183,28 +193,34 @@ async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> R
     settle = _Settlement(state, admission, ctx)
     priority = admission.priority if admission is not None and state.gateway.config.require_auth else None
     headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
-    waiting = _Waiting()
-    state.drain.add(waiting)
+    status = 500
     try:
         d = await cancel_on_disconnect(request, state.dispatcher.dispatch(
             group, path, _upstream_body(body, req, priority), headers, ctx, bool(req.stream)))
-        extra = (admission.response_headers if admission is not None else {}) | {"X-FerryLM-Upstream": d.replica.url}
+        extra = admission.response_headers if admission is not None else {}
+        if state.config.router.expose_upstream:
+            extra["X-FerryLM-Upstream"] = d.replica.url
         if req.stream and d.response.status_code == 200:
             relay = StreamRelay(d, bool(req.stream_options and req.stream_options.include_usage), settle,
                                 state.metrics, state.dispatcher.record_failure, state.drain.discard)
             state.drain.add(relay)
+            status = None  # the relay settles
             return SSEResponse(relay, headers=SSE_HEADERS | extra)
+        status = None  # _answer settles
         return await _answer(state, d, settle, extra)
     except ClientDisconnected:
-        await settle(499, None, 0)
+        status = 499
         return Response(status_code=499)
-    except BaseException as e:
-        status = e.status if isinstance(e, APIError) else 500
-        state.metrics.requests.labels(group.name, str(status)).inc()
-        await settle(status, None, 0)
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except APIError as e:
+        status = e.status
         raise
     finally:
-        state.drain.discard(waiting)
+        if status is not None:
+            state.metrics.requests.labels(group.name, str(status)).inc()
+            await settle(status, None, 0)
 
 
 async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Response:
@@ -212,15 +228,19 @@ async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Resp
     content, status = d.response.content, d.response.status_code
     usage: dict = {}
     try:
-        usage = (d.response.json().get("usage") or {}) if status == 200 else {}
+        body = d.response.json() if status == 200 else None
+        usage = body.get("usage") or {} if isinstance(body, dict) else {}
+        for name in ("retry-after", "retry-after-ms"):
+            if name in d.response.headers:
+                extra[name] = d.response.headers[name]
     except ValueError:
         pass
-    for name in ("retry-after", "retry-after-ms"):
-        if name in d.response.headers:
-            extra[name] = d.response.headers[name]
-    await d.aclose()
-    state.metrics.requests.labels(d.group.name, str(status)).inc()
-    await settle(status, usage.get("prompt_tokens"), usage.get("completion_tokens", 0))
+    finally:
+        try:
+            await d.aclose()
+        finally:
+            state.metrics.requests.labels(d.group.name, str(status)).inc()
+            await settle(status, usage.get("prompt_tokens"), usage.get("completion_tokens", 0))
     return Response(content, status_code=status, media_type="application/json", headers=extra)
 
 

@@ -47,6 +47,12 @@ class CircuitBreaker:
             cooled = self.state is BreakerState.HALF_OPEN or now - (self.opened_at or now) >= self.open_s
             return cooled and not self._probe_in_flight
 
+    def release_probe(self) -> None:
+        """The probe was taken but never decided (request cancelled, or failed through no fault of
+        the replica): let the next request probe instead."""
+        with self._lock:
+            self._probe_in_flight = False
+
     def record_success(self) -> None:
         with self._lock:
             self.state = BreakerState.CLOSED

@@ -54,6 +54,7 @@ class RouterConfig:
     affinity_map_size: int = 100_000  # block hashes remembered for prefix affinity
     default_max_tokens: int = 256  # expected output when a request sets no max_tokens
     upstream_api_key: str | None = None  # sent to the replicas as a Bearer token
+    expose_upstream: bool = False  # name the answering replica in an X-FerryLM-Upstream header
 
     def __post_init__(self) -> None:
         if not self.groups:

@@ -48,10 +48,32 @@ class Dispatch:
     head: list[Event] = field(default_factory=list)
     rest: AsyncIterator[Event] | None = None
     first_token_at: float | None = None
+    echo_left: int = 0  # completions with echo: text chunks of the echoed prompt still to come
 
-    async def aclose(self) -> None:
-        await self.response.aclose()
-        self.ticket.close()
+    def is_token(self, event: Event) -> bool:
+        """Generated text, not the echoed prompt (which a replica sends before any prefill)."""
+        if not event.tokens:
+            return False
+        if self.echo_left:
+            self.echo_left = max(0, self.echo_left - event.tokens)
+            return False
+        return True
+
+    async def aclose(self, finished: bool = False) -> None:
+        """Close the upstream response (after reading its end when the stream finished, so the
+        connection goes back to the pool) and release the ticket, whatever happens."""
+        try:
+            if finished and self.rest is not None:
+                async with asyncio.timeout(1.0):
+                    async for _ in self.rest:
+                        pass
+        except (TimeoutError, httpx.HTTPError):
+            pass
+        finally:
+            try:
+                await self.response.aclose()
+            finally:
+                self.ticket.close()
 
 
 def no_upstream(group: ModelGroup, failure: UpstreamFailure | None) -> APIError:
@@ -84,19 +106,17 @@ class Dispatcher:
                 if not candidates:
                     break
                 choice = g.policy.choose(candidates, ctx)
-                if attempts and not self.budget.try_spend():
-                    self.metrics.retries_denied.labels(g.name).inc()
-                    raise no_upstream(group, failure)
-                if not choice.replica.breaker.allow(now):  # its half-open probe is already out
+                breaker = choice.replica.breaker
+                if not breaker.allow(now):  # its half-open probe is already out
                     tried.add(choice.replica.url)
                     continue
-                if attempts:
-                    self.metrics.retries.labels(g.name, failure.reason if failure else "none").inc()
-                    await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempts - 1))
+                if attempts and not self.budget.try_spend():
+                    breaker.release_probe()
+                    self.metrics.retries_denied.labels(g.name).inc()
+                    raise no_upstream(group, failure)
                 attempts += 1
-                self.metrics.decisions.labels(g.name, g.policy.name, choice.reason).inc()
                 try:
-                    result = await self._attempt(g, choice.replica, path, body, headers, ctx, stream, attempts)
+                    result = await self._try(g, choice, path, body, headers, ctx, stream, attempts, failure)
                 except UpstreamFailure as f:
                     failure = f
                     tried.add(f.replica.url)
@@ -104,10 +124,21 @@ class Dispatcher:
                                                               "status": f.status, "attempt": attempts})
                     self.record_failure(f.replica)
                     continue
-                choice.replica.breaker.record_success()
+                except BaseException:  # cancelled (client gone) or a bug: the replica is not to blame
+                    breaker.release_probe()
+                    raise
+                breaker.record_success()
                 g.policy.record(ctx, choice.replica)
                 return result
         raise no_upstream(group, failure)
+
+    async def _try(self, g: ModelGroup, choice, path: str, body: dict, headers: dict[str, str], ctx: RouteContext,
+                   stream: bool, attempts: int, failure: UpstreamFailure | None) -> Dispatch:
+        if attempts > 1:
+            self.metrics.retries.labels(g.name, failure.reason if failure else "none").inc()
+            await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempts - 2))
+        self.metrics.decisions.labels(g.name, g.policy.name, choice.reason).inc()
+        return await self._attempt(g, choice.replica, path, body, headers, ctx, stream, attempts)
 
     def record_failure(self, replica: Replica) -> None:
         if replica.breaker.record_failure(time.monotonic()):
@@ -120,15 +151,19 @@ class Dispatcher:
         ticket = replica.begin(ctx.prompt_tokens, ctx.expected_output)
         started = time.monotonic()
         response: httpx.Response | None = None
+        # A non-streamed answer comes whole at the end: a long generation is not a hung replica, so
+        # only the connect timeout applies (the client's own timeout bounds the wait).
+        timeout = None if stream else httpx.Timeout(None, connect=self.config.connect_timeout_s)
         try:
-            request = self.client.build_request("POST", replica.url + path, json=payload, headers=headers)
+            request = self.client.build_request("POST", replica.url + path, json=payload, headers=headers,
+                                                **({"timeout": timeout} if timeout else {}))
             try:
                 response = await self.client.send(request, stream=True)
             except httpx.TransportError as e:
                 raise UpstreamFailure(replica, type(e).__name__, detail=str(e)) from None
             if response.status_code >= 500:
                 raise UpstreamFailure(replica, "status", response.status_code)
-            result = Dispatch(group, replica, ticket, response, started, attempts)
+            result = Dispatch(group, replica, ticket, response, started, attempts, echo_left=ctx.echo_chunks)
             if stream and response.status_code == 200:
                 await self._read_head(result)
             else:
@@ -152,12 +187,12 @@ class Dispatcher:
                 if event.error:  # nothing has reached the client yet: another replica may do better
                     raise UpstreamFailure(d.replica, "stream_error", detail=str(event.error.get("message")))
                 d.head.append(event)
-                if event.tokens:
+                if d.is_token(event):
                     d.first_token_at = time.monotonic()
                     return
                 if event.done or event.finished:
                     return
-        except StopAsyncIteration:
-            return
+        except StopAsyncIteration:  # ended with no token, no finish and no [DONE]: not an answer
+            raise UpstreamFailure(d.replica, "stream_ended") from None
         except httpx.TransportError as e:
             raise UpstreamFailure(d.replica, type(e).__name__, detail=str(e)) from None

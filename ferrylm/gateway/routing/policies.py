@@ -22,6 +22,7 @@ class RouteContext(NamedTuple):
     block_hashes: tuple[int, ...] = ()  # the engine's prefix-cache hashes of the prompt's full blocks
     affinity_key: int | None = None  # fallback key when there are no block hashes (no tokenizer)
     block_size: int = 16  # tokens per block hash
+    echo_chunks: int = 0  # completions with echo: the replica streams the prompt back first
 
 
 class Choice(NamedTuple):

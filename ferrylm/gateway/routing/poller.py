@@ -23,23 +23,34 @@ log = logging.getLogger("ferrylm.gateway.routing")
 class HealthPoller:
     def __init__(self, registry: ReplicaRegistry, config: RouterConfig, client: httpx.AsyncClient):
         self.registry, self.config, self.client = registry, config, client
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        """One loop per replica, so a slow replica never delays noticing another one's death."""
+        self._tasks = [asyncio.create_task(self._run(r)) for r in self.registry.replicas()]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(r) for r in self.registry.replicas()))
+        await asyncio.gather(*(self._poll_safely(r) for r in self.registry.replicas()))
 
-    async def _run(self) -> None:
+    async def _run(self, replica: Replica) -> None:
         while True:
-            await self.poll_once()
+            await self._poll_safely(replica)
             await asyncio.sleep(self.config.poll_interval_s)
+
+    async def _poll_safely(self, replica: Replica) -> None:
+        """A reply the poller cannot read (an HTML error page, odd JSON) counts as a failed poll."""
+        try:
+            await self._poll(replica)
+        except Exception:  # noqa: BLE001 - never let one bad answer stop health checking
+            log.warning("unreadable health answer", extra={"replica": replica.url}, exc_info=True)
+            replica.poll_failures += 1
+            if replica.poll_failures >= self.config.poll_failures:
+                replica.ready = False
 
     async def _ready(self, replica: Replica) -> tuple[bool, bool]:
         """(ready, down at once): refused or draining is decisive, a slow or failed probe is not."""
@@ -52,8 +63,8 @@ class HealthPoller:
         if r.status_code == 200:
             return True, False
         try:
-            status = r.json().get("status", "")
-        except ValueError:
+            status = str(r.json().get("status", ""))
+        except (ValueError, AttributeError):
             status = ""
         return False, status == "draining" or status.startswith(("load failed", "engine loop"))
 

@@ -30,7 +30,10 @@ class StreamRelay:
         self._d, self._wants_usage, self._settle_cb, self._on_done = d, wants_usage, settle, on_done
         self._aborted = False
         self._metrics, self._on_failure = metrics, on_failure
-        self._pending = list(d.head)
+        # Events read before commit: only the last can be a token (the first), and only if one came.
+        self._pending = [(e, d.first_token_at is not None and i == len(d.head) - 1) for i, e in enumerate(d.head)]
+        self._abort_task: asyncio.Task | None = None
+        self._clean_end = False  # [DONE] seen: the rest of the body is read so the connection is reused
         self._completion = 0
         self._usage: dict | None = None
         self._status = 200
@@ -51,18 +54,20 @@ class StreamRelay:
             if self._finished:
                 await self._settle(self._status)
                 raise StopAsyncIteration
-            event = await self._next_event()
-            if event is None:
+            item = await self._next_event()
+            if item is None:
                 continue
-            out = self._account(event)
+            out = self._account(*item)
             if out is not None:
                 return out
 
-    async def _next_event(self) -> Event | None:
+    async def _next_event(self) -> tuple[Event, bool] | None:
+        """The next event and whether it carries generated tokens, or None when the stream broke."""
         if self._pending:
             return self._pending.pop(0)
         try:
-            return await self._d.rest.__anext__()
+            event = await self._d.rest.__anext__()
+            return event, self._d.is_token(event)
         except StopAsyncIteration:
             reason = "closed the stream without [DONE]"
         except httpx.HTTPError as e:
@@ -76,7 +81,7 @@ class StreamRelay:
     def abort(self) -> None:
         """Drain deadline passed: cut the upstream stream; the client gets an error event and [DONE]."""
         self._aborted = True
-        asyncio.ensure_future(self._d.response.aclose())
+        self._abort_task = asyncio.ensure_future(self._d.response.aclose())
 
     def _fail(self, reason: str) -> None:
         log.warning("replica stream broke", extra={"replica": self._d.replica.url, "reason": reason})
@@ -96,11 +101,11 @@ class StreamRelay:
         self._metrics.ttft.labels(self._d.group.name).observe(ttft)
         self._d.ticket.first_token()
 
-    def _account(self, event: Event) -> bytes | None:
+    def _account(self, event: Event, is_token: bool) -> bytes | None:
         if event.done:
-            self._finished = True
+            self._finished = self._clean_end = True
             return event.raw
-        if event.tokens:
+        if is_token:
             if not self._first_seen:
                 self._on_first_token(time.monotonic())
             self._completion += event.tokens
@@ -122,8 +127,9 @@ class StreamRelay:
             return
         self._settled = True
         self._on_done(self)
-        await self._d.aclose()
         usage = self._usage or {}
-        completion = usage.get("completion_tokens", self._completion)
-        self._metrics.requests.labels(self._d.group.name, str(status)).inc()
-        await self._settle_cb(status, usage.get("prompt_tokens"), completion)
+        try:
+            await self._d.aclose(finished=self._clean_end)
+        finally:
+            self._metrics.requests.labels(self._d.group.name, str(status)).inc()
+            await self._settle_cb(status, usage.get("prompt_tokens"), usage.get("completion_tokens", self._completion))
