@@ -55,10 +55,11 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()  # held by the loop around each step; for tests and tools
         self._commands: collections.deque[_Add | str] = collections.deque()  # adds and abort ids, in order
-        self._pending_lock = threading.Lock()  # guards only the three counters below
+        self._pending_lock = threading.Lock()  # guards only the counters below
         self._pending_adds = 0
         self._pending_tokens = 0
         self._pending_output = 0
+        self._pending_certain = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -97,17 +98,21 @@ class AsyncEngine:
         burst is visible to admission control before the loop gets to it). Never blocks on a step."""
         with self._pending_lock:
             pending, tokens, output = self._pending_adds, self._pending_tokens, self._pending_output
+            certain = self._pending_certain
         if not pending:
             return self._stats
         s = self._stats
         return dataclasses.replace(s, num_waiting=s.num_waiting + pending,
                                    num_waiting_prompt_tokens=s.num_waiting_prompt_tokens + tokens,
-                                   num_waiting_output_tokens=s.num_waiting_output_tokens + output)
+                                   num_waiting_output_tokens=s.num_waiting_output_tokens + output,
+                                   num_waiting_certain_output_tokens=s.num_waiting_certain_output_tokens + certain)
 
     def _count_pending(self, command: _Add, sign: int) -> None:
         prompt_len = len(command.prompt) if isinstance(command.prompt, list) else 0
         output = command.params.max_tokens or max(0, self.engine.max_model_len - prompt_len)
+        certain = output if command.params.ignore_eos else min(output, command.params.min_tokens)
         with self._pending_lock:
+            self._pending_certain += sign * certain
             self._pending_adds += sign
             self._pending_tokens += sign * prompt_len
             self._pending_output += sign * output

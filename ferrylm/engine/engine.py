@@ -35,6 +35,9 @@ class EngineStats:
     num_waiting_output_tokens: int = 0
     num_running_output_tokens: int = 0
     max_num_seqs: int | None = None
+    # The part of those that will surely be generated (ignore_eos, min_tokens): not scaled down.
+    num_waiting_certain_output_tokens: int = 0
+    num_running_certain_output_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -43,6 +46,14 @@ class EngineStats:
 
 def _output_left(request: Request) -> int:
     return max(0, request.max_tokens - (request.num_tokens - len(request.prompt_token_ids)))
+
+
+def _certain_output_left(request: Request) -> int:
+    """Output tokens that will be generated whatever the model says (ignore_eos, min_tokens)."""
+    if request.sampling_params.ignore_eos:
+        return _output_left(request)
+    generated = request.num_tokens - len(request.prompt_token_ids)
+    return min(_output_left(request), max(0, request.sampling_params.min_tokens - generated))
 
 
 @dataclass
@@ -188,4 +199,6 @@ class Engine:
                            self.prompt_tokens_total, self.generation_tokens_total,
                            sum(_output_left(r) for r in self.scheduler.waiting),
                            sum(_output_left(r) for r in self.scheduler.running),
-                           self.config.scheduler.max_num_seqs)
+                           self.config.scheduler.max_num_seqs,
+                           sum(_certain_output_left(r) for r in self.scheduler.waiting),
+                           sum(_certain_output_left(r) for r in self.scheduler.running))

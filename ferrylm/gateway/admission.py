@@ -31,6 +31,9 @@ class EngineLoad(NamedTuple):
     waiting_output_tokens: int | None = None
     running_output_tokens: int | None = None
     max_num_seqs: int | None = None
+    waiting_certain_output_tokens: int = 0  # of those, surely generated (ignore_eos, min_tokens)
+    running_certain_output_tokens: int = 0
+    generated_total: int | None = None  # cumulative generated tokens alone, if reported
 
     @classmethod
     def from_stats(cls, stats: object, healthy: bool = True) -> "EngineLoad":
@@ -40,7 +43,9 @@ class EngineLoad(NamedTuple):
         return cls(int(stats.num_waiting), int(stats.num_running), int(stats.num_waiting_prompt_tokens),
                    float(stats.kv_cache_usage), healthy and bool(getattr(stats, "healthy", True)), total,
                    getattr(stats, "num_waiting_output_tokens", None), getattr(stats, "num_running_output_tokens", None),
-                   getattr(stats, "max_num_seqs", None))
+                   getattr(stats, "max_num_seqs", None), int(getattr(stats, "num_waiting_certain_output_tokens", 0)),
+                   int(getattr(stats, "num_running_certain_output_tokens", 0)),
+                   generated if isinstance(generated, int) else None)
 
     @property
     def busy(self) -> bool:
@@ -48,9 +53,10 @@ class EngineLoad(NamedTuple):
 
 
 class DrainRateTracker:
-    """Recent engine throughput (tokens/s, an EWMA over intervals when the engine was busy) and
-    the mean completion length. Fed by snapshot counters when the engine reports them, otherwise
-    by completed requests."""
+    """Recent engine throughput (tokens/s, an EWMA over intervals when the engine was busy), the
+    decode rate alone (generated tokens/s: output drains at this pace, prompt tokens far faster),
+    and the mean completion length. Fed by snapshot counters when the engine reports them,
+    otherwise by completed requests."""
 
     def __init__(self, half_life_s: float = 10.0, min_interval_s: float = 0.25,
                  default_completion_tokens: float = 128.0):
@@ -58,7 +64,9 @@ class DrainRateTracker:
         self._min_interval_s = min_interval_s
         self._lock = threading.Lock()
         self._rate: float | None = None
+        self._decode_rate: float | None = None
         self._last: tuple[int, float, bool] | None = None  # total, time, busy after
+        self._last_generated: int | None = None
         self._from_counters = False
         self._completed_total = 0
         self._mean_completion = float(default_completion_tokens)
@@ -67,6 +75,10 @@ class DrainRateTracker:
     @property
     def rate(self) -> float | None:
         return self._rate
+
+    @property
+    def decode_rate(self) -> float | None:
+        return self._decode_rate
 
     @property
     def mean_completion_tokens(self) -> float:
@@ -83,7 +95,7 @@ class DrainRateTracker:
             return
         with self._lock:
             self._from_counters = True
-            self._observe(load.tokens_total, now, load.busy, load.busy)
+            self._observe(load.tokens_total, now, load.busy, load.busy, load.generated_total)
 
     def observe_completion(self, tokens: int, completion_tokens: int, others_in_flight: bool, now: float,
                            max_tokens: int | None = None) -> None:
@@ -97,29 +109,36 @@ class DrainRateTracker:
                 self._completed_total += tokens
                 self._observe(self._completed_total, now, True, others_in_flight)
 
-    def _observe(self, total: int, now: float, busy_during: bool, busy_after: bool) -> None:
-        """Update the EWMA with the interval since the last sample, if the engine was busy
+    def _observe(self, total: int, now: float, busy_during: bool, busy_after: bool,
+                 generated: int | None = None) -> None:
+        """Update the EWMAs with the interval since the last sample, if the engine was busy
         throughout it (idle time would otherwise read as a slow engine)."""
         last = self._last
         if last is None or total < last[0]:  # first sample, or the engine restarted
-            self._last = (total, now, busy_after)
+            self._last, self._last_generated = (total, now, busy_after), generated
             return
         elapsed = now - last[1]
         if elapsed < self._min_interval_s:
             return
         if last[2] and busy_during:
-            observed = (total - last[0]) / elapsed
             alpha = 1.0 - 0.5 ** (elapsed / self._half_life_s)
-            self._rate = observed if self._rate is None else self._rate + alpha * (observed - self._rate)
-        self._last = (total, now, busy_after)
+            self._rate = _ewma(self._rate, (total - last[0]) / elapsed, alpha)
+            if generated is not None and self._last_generated is not None and generated > self._last_generated:
+                self._decode_rate = _ewma(self._decode_rate, (generated - self._last_generated) / elapsed, alpha)
+        self._last, self._last_generated = (total, now, busy_after), generated
 
     def check_invariants(self) -> None:
-        if self._rate is not None and not (math.isfinite(self._rate) and self._rate >= 0):
-            raise AssertionError(f"bad drain rate {self._rate}")
+        for rate in (self._rate, self._decode_rate):
+            if rate is not None and not (math.isfinite(rate) and rate >= 0):
+                raise AssertionError(f"bad drain rate {rate}")
         if not self._mean_completion >= 0:
             raise AssertionError(f"bad mean completion {self._mean_completion}")
         if not 0 <= self._output_fraction <= 1:
             raise AssertionError(f"bad output fraction {self._output_fraction}")
+
+
+def _ewma(current: float | None, observed: float, alpha: float) -> float:
+    return observed if current is None else current + alpha * (observed - current)
 
 
 class AdmissionDecision(NamedTuple):
@@ -138,18 +157,25 @@ class AdmissionController:
         self.config = config
 
     def projected_wait_s(self, load: EngineLoad, drain_rate: float | None, mean_completion: float,
-                         output_fraction: float | None = None) -> float | None:
+                         output_fraction: float | None = None, decode_rate: float | None = None) -> float | None:
         """Work ahead of a new request / the rate it drains. With the engine's output budgets, the
-        queued output is their max_tokens x the fraction requests really use, and when the batch is
+        queued output is their max_tokens x the fraction requests really use (all of it for
+        ignore_eos, at least min_tokens), and when the batch is
         full (or KV is short) the new request also waits for running requests to finish: the share
         of their remaining output that frees the slots the queue ahead of it needs."""
         if output_fraction is not None and load.waiting_output_tokens is not None:
-            backlog = load.num_waiting_prompt_tokens + output_fraction * load.waiting_output_tokens
+            def expected(total: int, certain: int) -> float:
+                return certain + output_fraction * max(0, total - certain)
+
+            output = expected(load.waiting_output_tokens, load.waiting_certain_output_tokens)
             full = (load.max_num_seqs is not None and load.num_running + load.num_waiting >= load.max_num_seqs) \
                 or load.kv_cache_usage >= self.config.kv_watermark
             if full and load.num_running and load.running_output_tokens:
                 share = min(1.0, (load.num_waiting + 1) / load.num_running)
-                backlog += output_fraction * load.running_output_tokens * share
+                output += expected(load.running_output_tokens or 0, load.running_certain_output_tokens) * share
+            if drain_rate and decode_rate:  # output drains at the decode pace, prompts at the overall one
+                return load.num_waiting_prompt_tokens / drain_rate + output / decode_rate
+            backlog = load.num_waiting_prompt_tokens + output
         else:
             backlog = load.num_waiting_prompt_tokens + load.num_waiting * mean_completion
             if load.kv_cache_usage >= self.config.kv_watermark and load.num_waiting:
@@ -161,14 +187,15 @@ class AdmissionController:
         return backlog / drain_rate
 
     def decide(self, load: EngineLoad | None, tier: str, drain_rate: float | None,
-               mean_completion: float, output_fraction: float | None = None) -> AdmissionDecision:
+               mean_completion: float, output_fraction: float | None = None,
+               decode_rate: float | None = None) -> AdmissionDecision:
         cfg = self.config
         priority = cfg.priority(tier)
         if load is None or not cfg.enabled:
             return AdmissionDecision(True, priority, None)
         if not load.healthy:
             return AdmissionDecision(False, priority, None, 503, cfg.unhealthy_retry_after_s, "engine_unhealthy")
-        wait = self.projected_wait_s(load, drain_rate, mean_completion, output_fraction)
+        wait = self.projected_wait_s(load, drain_rate, mean_completion, output_fraction, decode_rate)
         budget = cfg.wait_budget_s(tier)
         if cfg.max_num_waiting is not None and load.num_waiting >= cfg.max_num_waiting:
             return AdmissionDecision(False, priority, wait, 429, max(1.0, (wait or 0.0) - budget), "queue_full")

@@ -213,7 +213,7 @@ class Gateway:
         check_model(principal, model)
         load = self._load(stats_snapshot, engine_healthy, started)
         decision = self.admission.decide(load, principal.tier, self.drain.rate, self.drain.mean_completion_tokens,
-                                         self.drain.output_fraction)
+                                         self.drain.output_fraction, self.drain.decode_rate)
         if not decision.admitted:
             raise shed_error(decision, principal.tier)
         tokens = max(0, prompt_tokens) + max(0, max_tokens)

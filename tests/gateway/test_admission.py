@@ -158,3 +158,41 @@ def test_engine_stats_carry_output_budgets():
                                        max_num_seqs=8))
     assert (full.waiting_output_tokens, full.running_output_tokens, full.max_num_seqs) == (96, 50, 8)
     assert EngineLoad.from_stats(stats(2, 3, 40)).waiting_output_tokens is None
+
+
+def test_ignore_eos_and_min_tokens_output_is_counted_in_full(controller):
+    """A learned fraction of 5% (earlier requests stopped early) must not shrink output that is
+    sure to be generated: ignore_eos requests produce all of max_tokens."""
+    load = EngineLoad(num_waiting=70, num_running=8, num_waiting_prompt_tokens=2100, kv_cache_usage=0.2,
+                      waiting_output_tokens=70 * 48, running_output_tokens=8 * 20, max_num_seqs=8,
+                      waiting_certain_output_tokens=70 * 48, running_certain_output_tokens=8 * 20)
+    d = controller.decide(load, "batch", drain_rate=1000.0, mean_completion=128, output_fraction=0.05)
+    assert d.projected_wait_s == pytest.approx((2100 + 3360 + 160) / 1000)
+    assert not d.admitted
+    unsure = load._replace(waiting_certain_output_tokens=0, running_certain_output_tokens=0)
+    assert controller.decide(unsure, "batch", 1000.0, 128, 0.05).projected_wait_s == \
+        pytest.approx((2100 + 0.05 * 3360 + 0.05 * 160) / 1000)
+
+
+def test_output_drains_at_the_decode_rate(controller):
+    """Prompt tokens prefill ~10x faster than output decodes: a queue of 48-token answers is
+    projected at the decode pace, not at the mixed rate a prefill-heavy past would suggest."""
+    load = EngineLoad(num_waiting=20, num_running=8, num_waiting_prompt_tokens=600, kv_cache_usage=0.2,
+                      waiting_output_tokens=20 * 48, running_output_tokens=0, max_num_seqs=64,
+                      waiting_certain_output_tokens=20 * 48)
+    d = controller.decide(load, "batch", drain_rate=2000.0, mean_completion=128, output_fraction=1.0,
+                          decode_rate=100.0)
+    assert d.projected_wait_s == pytest.approx(600 / 2000 + 960 / 100) and not d.admitted
+    mixed = controller.decide(load, "batch", drain_rate=2000.0, mean_completion=128, output_fraction=1.0)
+    assert mixed.projected_wait_s == pytest.approx(1560 / 2000) and mixed.admitted
+
+
+def test_tracker_measures_the_decode_rate_from_counters():
+    tracker = DrainRateTracker(half_life_s=1e-9)  # follow the last interval exactly
+    busy = EngineLoad(1, 8, 10, 0.2, tokens_total=0, generated_total=0)
+    tracker.observe_snapshot(busy, 0.0)
+    tracker.observe_snapshot(busy._replace(tokens_total=1100, generated_total=100), 1.0)
+    assert tracker.rate == pytest.approx(1100.0) and tracker.decode_rate == pytest.approx(100.0)
+    tracker.observe_snapshot(busy._replace(tokens_total=2100, generated_total=100), 2.0)  # prefill only
+    assert tracker.decode_rate == pytest.approx(100.0)
+    tracker.check_invariants()

@@ -178,6 +178,7 @@ def test_stats_report_output_budgets_for_admission(llm_fp32, prompts16):
     s = engine.stats()
     assert (s.num_waiting, s.num_waiting_output_tokens, s.num_running_output_tokens, s.max_num_seqs) == \
         (3, 3 * NEW, 0, 2)
+    assert s.num_waiting_certain_output_tokens == 3 * NEW  # GREEDY has ignore_eos
     while engine.stats().num_running < 2 or engine.stats().num_running_output_tokens == 2 * NEW:
         engine.step()
     s = engine.stats()

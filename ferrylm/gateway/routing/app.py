@@ -101,7 +101,10 @@ class GatewayState:
                           sum(x.prompt_tokens_total + x.generation_tokens_total for x in loads),
                           sum(x.num_waiting_output_tokens for x in loads),
                           sum(x.num_running_output_tokens for x in loads),
-                          sum(x.max_num_seqs for x in loads) or None)
+                          sum(x.max_num_seqs for x in loads) or None,
+                          sum(x.num_waiting_certain_output_tokens for x in loads),
+                          sum(x.num_running_certain_output_tokens for x in loads),
+                          sum(x.generation_tokens_total for x in loads))
 
 
 def _state(request: Request) -> GatewayState:

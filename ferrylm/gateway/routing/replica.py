@@ -24,6 +24,8 @@ class ReplicaLoad:
     num_waiting_output_tokens: int = 0
     num_running_output_tokens: int = 0
     max_num_seqs: int = 0
+    num_waiting_certain_output_tokens: int = 0
+    num_running_certain_output_tokens: int = 0
     healthy: bool = True
 
     @classmethod
