@@ -109,7 +109,7 @@ class AsyncEngine:
 
     def _count_pending(self, command: _Add, sign: int) -> None:
         prompt_len = len(command.prompt) if isinstance(command.prompt, list) else 0
-        output = command.params.max_tokens or max(0, self.engine.max_model_len - prompt_len)
+        output = self.engine.resolve_max_tokens(command.params, prompt_len)
         certain = output if command.params.ignore_eos else min(output, command.params.min_tokens)
         with self._pending_lock:
             self._pending_certain += sign * certain

@@ -45,15 +45,14 @@ class EngineStats:
 
 
 def _output_left(request: Request) -> int:
-    return max(0, request.max_tokens - (request.num_tokens - len(request.prompt_token_ids)))
+    return max(0, request.max_tokens - request.num_output_tokens)
 
 
 def _certain_output_left(request: Request) -> int:
     """Output tokens that will be generated whatever the model says (ignore_eos, min_tokens)."""
     if request.sampling_params.ignore_eos:
         return _output_left(request)
-    generated = request.num_tokens - len(request.prompt_token_ids)
-    return min(_output_left(request), max(0, request.sampling_params.min_tokens - generated))
+    return min(_output_left(request), max(0, request.sampling_params.min_tokens - request.num_output_tokens))
 
 
 @dataclass
@@ -102,13 +101,17 @@ class Engine:
         return cls(config, runner, tokenizer, max_model_len)
 
     # -- requests ------------------------------------------------------------------------
+    def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """max_tokens as the engine runs it: the client's, or the rest of the context window."""
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
+        return max(max_tokens, 1)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None) -> Request:
         """Tokenize (if needed), validate against the model, and queue. Raises RequestRejected."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(prompt_ids, params)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
-        request = Request(request_id, prompt_ids, params, max(max_tokens, 1),
+        request = Request(request_id, prompt_ids, params, self.resolve_max_tokens(params, len(prompt_ids)),
                           arrival_time if arrival_time is not None else time.monotonic(), priority,
                           self.tokenizer.eos_token_ids)
         self.scheduler.add_request(request)

@@ -43,7 +43,8 @@ class EngineLoad(NamedTuple):
         return cls(int(stats.num_waiting), int(stats.num_running), int(stats.num_waiting_prompt_tokens),
                    float(stats.kv_cache_usage), healthy and bool(getattr(stats, "healthy", True)), total,
                    getattr(stats, "num_waiting_output_tokens", None), getattr(stats, "num_running_output_tokens", None),
-                   getattr(stats, "max_num_seqs", None), int(getattr(stats, "num_waiting_certain_output_tokens", 0)),
+                   getattr(stats, "max_num_seqs", None) or None,  # 0: not reported
+                   int(getattr(stats, "num_waiting_certain_output_tokens", 0)),
                    int(getattr(stats, "num_running_certain_output_tokens", 0)),
                    generated if isinstance(generated, int) else None)
 

@@ -25,6 +25,7 @@ from ferrylm.gateway.routing.poller import HealthPoller
 from ferrylm.gateway.routing.policies import RouteContext
 from ferrylm.gateway.routing.registry import ModelGroup, ReplicaRegistry
 from ferrylm.gateway.routing.relay import StreamRelay
+from ferrylm.gateway.routing.replica import ReplicaLoad
 from ferrylm.server.body import read_json_body
 from ferrylm.server.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.server.drain import DrainController
@@ -95,16 +96,7 @@ class GatewayState:
         healthy = any(g.available() for g in self.registry.fallback_chain(group))
         if not loads:
             return None if healthy else EngineLoad(0, 0, 0, 0.0, False)
-        return EngineLoad(sum(x.num_waiting for x in loads), sum(x.num_running for x in loads),
-                          sum(x.num_waiting_prompt_tokens for x in loads),
-                          sum(x.kv_cache_usage for x in loads) / len(loads), healthy,
-                          sum(x.prompt_tokens_total + x.generation_tokens_total for x in loads),
-                          sum(x.num_waiting_output_tokens for x in loads),
-                          sum(x.num_running_output_tokens for x in loads),
-                          sum(x.max_num_seqs for x in loads) or None,
-                          sum(x.num_waiting_certain_output_tokens for x in loads),
-                          sum(x.num_running_certain_output_tokens for x in loads),
-                          sum(x.generation_tokens_total for x in loads))
+        return EngineLoad.from_stats(ReplicaLoad.combine(loads), healthy)
 
 
 def _state(request: Request) -> GatewayState:

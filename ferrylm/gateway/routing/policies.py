@@ -142,15 +142,16 @@ class PrefixAffinity:
     def choose(self, candidates: Sequence[Replica], ctx: RouteContext) -> Choice:
         by_url = {r.url: r for r in candidates}
         saved = {url: d * ctx.block_size for url, d in self._remembered_depths(ctx, set(by_url)).items()}
+        key = self._ring_key(ctx)
+        walk = self.ring.walk(key or 0)  # ring order: the tie-break, and the home of unseen prefixes
         reason = "prefix_match"
         if not saved:
-            key = self._ring_key(ctx)
             if key is None:
                 return Choice(least_outstanding(candidates), "least_outstanding")
-            home = next(u for u in self.ring.walk(key) if u in by_url)
+            home = next(u for u in walk if u in by_url)
             saved = {home: min(len(ctx.block_hashes) or 1, self.hash_blocks) * ctx.block_size}
             reason = "prefix_hash"
-        order = {url: i for i, url in enumerate(self.ring.walk(self._ring_key(ctx) or 0))}
+        order = {url: i for i, url in enumerate(walk)}
         best = min(candidates, key=lambda r: (r.outstanding_tokens - self.credit * saved.get(r.url, 0),
                                               r.in_flight, order.get(r.url, 0)))
         if best.url in saved:

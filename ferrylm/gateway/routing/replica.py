@@ -29,6 +29,14 @@ class ReplicaLoad:
     healthy: bool = True
 
     @classmethod
+    def combine(cls, loads: list["ReplicaLoad"]) -> "ReplicaLoad":
+        """A group's replicas as one engine: counts summed, KV usage averaged."""
+        total = cls(**{k: sum(getattr(x, k) for x in loads) for k, f in cls.__dataclass_fields__.items()
+                       if type(f.default) is int})
+        total.kv_cache_usage = sum(x.kv_cache_usage for x in loads) / len(loads)
+        return total
+
+    @classmethod
     def from_json(cls, body: dict) -> "ReplicaLoad":
         fields = cls.__dataclass_fields__
         return cls(**{k: type(f.default)(body[k]) for k, f in fields.items() if body.get(k) is not None})
