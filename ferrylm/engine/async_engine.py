@@ -1,11 +1,17 @@
 """AsyncEngine: the EngineClient the server uses. The engine loop runs in its own thread; each
-request gets an asyncio queue of RequestOutputs; cancelling the consumer aborts the request."""
+request gets an asyncio queue of RequestOutputs; closing or cancelling the consumer aborts it.
+
+A caller's request id (the client's X-Request-Id, say) is only a label: the engine keys every
+request by an internal id minted here, unique for the engine's lifetime, so no client can collide
+with another's request or with the readiness probe (vLLM separates external and internal ids).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -24,7 +30,7 @@ class EngineDeadError(RuntimeError):
 
 
 class _Add(NamedTuple):
-    request_id: str
+    request_id: str  # the internal key
     prompt: str | list[int]
     params: SamplingParams
     priority: int
@@ -62,7 +68,8 @@ class AsyncEngine:
         self._pending_certain = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # by internal key
+        self._keys = itertools.count()
         self._thread: threading.Thread | None = None
         self._idle_wait_s = idle_wait_s
         self._stall_until = 0.0
@@ -118,46 +125,37 @@ class AsyncEngine:
             self._pending_output += sign * output
 
     # -- requests ------------------------------------------------------------------------
+    def _new_key(self, request_id: str) -> str:
+        """A key no other request of this engine has had: the caller's label plus a sequence number
+        after the last '#' (the number alone is unique, so keys can never collide)."""
+        return f"{request_id}#{next(self._keys)}"
+
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0) -> "RequestStream":
         """Admit a request and return its output stream; raises RequestRejected / SamplingParamsError.
 
-        Closing the stream before it finished (client gone, task cancelled) aborts the request and
-        frees its KV blocks.
+        `request_id` labels the outputs and may repeat across requests. Closing the stream before it
+        finished (client gone, task cancelled, sibling rejected) aborts the request and frees its KV
+        blocks, even if the stream was never iterated.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         admitted = loop.create_future()
-        self._queues[request_id] = (loop, queue)
-        command = _Add(request_id, prompt, params, priority, loop, admitted)
+        key = self._new_key(request_id)
+        self._queues[key] = (loop, queue)
+        command = _Add(key, prompt, params, priority, loop, admitted)
         self._count_pending(command, +1)
         self._commands.append(command)
         self._wake.set()
         try:
             await admitted
         except BaseException:
-            self._queues.pop(request_id, None)
-            self.abort(request_id)  # no-op if it was rejected; needed if we were cancelled
+            self._queues.pop(key, None)
+            self.abort(key)  # no-op if it was rejected; needed if we were cancelled
             raise
-        return self._stream(request_id, queue)
-
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"engine loop died: {item!r}")
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return RequestStream(self, key, request_id, queue)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -169,10 +167,16 @@ class AsyncEngine:
         finally:
             await stream.aclose()
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request from any thread without blocking; applied before the next step. A stream
-        still reading gets a final output with finish_reason "abort"."""
-        self._commands.append(request_id)
+    def _release(self, key: str, finished: bool) -> None:
+        """A stream is done with `key`: stop delivering to it, and abort it if it had not finished."""
+        self._queues.pop(key, None)
+        if not finished:
+            self.abort(key)
+
+    def abort(self, key: str) -> None:
+        """Cancel a request by its internal key (RequestStream.key) from any thread without
+        blocking; applied before the next step. A stream still reading gets a final "abort" output."""
+        self._commands.append(key)
         self._wake.set()
 
     def _apply_commands(self) -> None:
@@ -225,3 +229,43 @@ class AsyncEngine:
             if target is not None:
                 loop, queue = target
                 loop.call_soon_threadsafe(queue.put_nowait, out)
+
+
+class RequestStream:
+    """One request's outputs, in order; `aclose()` aborts the request unless it finished.
+
+    A class rather than an async generator: closing a generator that never started runs none of
+    its code, so siblings of a rejected request would keep generating unseen (and unbilled).
+    Outputs carry the caller's request id, not the internal key.
+    """
+
+    def __init__(self, engine: AsyncEngine, key: str, request_id: str, queue: asyncio.Queue):
+        self.key = key
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = queue
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._close()
+            raise EngineDeadError(f"engine loop died: {item!r}")
+        if item.finished:
+            self._finished = True
+            self._close()
+        return dataclasses.replace(item, request_id=self.request_id)
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine._release(self.key, self._finished)
+
+    async def aclose(self) -> None:
+        self._close()
