@@ -28,6 +28,17 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             ids.add(hf_tokenizer.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(ids))
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to: a text of c characters is at least
+        c / max_token_chars tokens, a bound that rejects huge prompts without tokenizing them."""
+        if self._max_token_chars is None:
+            tokens = list(self.hf.get_vocab())
+            longest = max((len(self.hf.convert_tokens_to_string([t])) for t in tokens), default=1)
+            self._max_token_chars = max(1, longest)
+        return self._max_token_chars
 
     @classmethod
     def load(cls, source: ModelSource, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":

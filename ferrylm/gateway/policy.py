@@ -14,6 +14,7 @@ worker thread so the event loop never waits on it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import threading
@@ -55,6 +56,7 @@ class Admission:
     reservation: Reservation | None
     rate_limit: RateLimitResult | None
     projected_wait_s: float | None
+    num_sequences: int = 1  # engine requests (prompts × n), each held against the concurrency cap
 
     @property
     def response_headers(self) -> dict[str, str]:
@@ -131,16 +133,40 @@ class Gateway:
         call = functools.partial(self._identify, _header(request_headers, "authorization"))
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
+    async def charge_request(self, principal: Principal, client_addr: str | None = None,
+                             request_id: str | None = None) -> RateLimitResult:
+        """Take one request from the caller's requests/min buckets before the body is read or
+        tokenized (429 at once when empty), so expensive bad requests count as requests too. Pass
+        the result to `admit(request_charge=...)`, which then reserves tokens only."""
+        call = functools.partial(self.charge_request_sync, principal, client_addr, request_id)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    def charge_request_sync(self, principal: Principal, client_addr: str | None = None,
+                            request_id: str | None = None) -> RateLimitResult:
+        started = self._clock()
+        scopes = [scope._replace(tpm=None) for scope in _scopes(principal)]
+        try:
+            return self._take(principal, scopes, 0, True)
+        except GatewayError as err:
+            if self.config.audit_rejections:
+                self._audit(AuditRecord(started, request_id or f"req-{uuid.uuid4().hex}", principal.tenant,
+                                        principal.key_id, None, 0, 0, err.status, self._clock() - started,
+                                        client_addr, err.code))
+            raise
+
     async def admit(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
                     prompt_tokens: int, max_tokens: int, stats_snapshot: object | None, *,
                     request_id: str | None = None, engine_healthy: bool = True,
-                    principal: Principal | None = None) -> Admission:
+                    principal: Principal | None = None, num_sequences: int = 1,
+                    request_charge: RateLimitResult | None = None) -> Admission:
         """Admit a request or raise GatewayError. If the caller is cancelled meanwhile, an
         admission that still went through is finished (released) in the background. `principal`:
-        the result of `authenticate`, if the caller already ran it."""
+        the result of `authenticate`, if the caller already ran it; `num_sequences`: the engine
+        requests it fans out to (prompts × n), each counted against the tenant's concurrency;
+        `request_charge`: the result of `charge_request`, if the caller already ran it."""
         call = functools.partial(self.admit_sync, request_headers, client_addr, model, prompt_tokens, max_tokens,
                                  stats_snapshot, request_id=request_id, engine_healthy=engine_healthy,
-                                 principal=principal)
+                                 principal=principal, num_sequences=num_sequences, request_charge=request_charge)
         future = asyncio.get_running_loop().run_in_executor(self._executor, call)
         try:
             return await asyncio.shield(future)
@@ -175,13 +201,15 @@ class Gateway:
     def admit_sync(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
                    prompt_tokens: int, max_tokens: int, stats_snapshot: object | None, *,
                    request_id: str | None = None, engine_healthy: bool = True,
-                   principal: Principal | None = None) -> Admission:
+                   principal: Principal | None = None, num_sequences: int = 1,
+                   request_charge: RateLimitResult | None = None) -> Admission:
         started = self._clock()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         principal = principal or self._identify(_header(request_headers, "authorization"))
         try:
             return self._admit_principal(principal, client_addr, model, prompt_tokens, max_tokens,
-                                         stats_snapshot, request_id, engine_healthy, started)
+                                         stats_snapshot, request_id, engine_healthy, started, num_sequences,
+                                         request_charge)
         except GatewayError as err:
             if self.config.audit_rejections:
                 self._audit(AuditRecord(started, request_id, principal.tenant, principal.key_id, model, prompt_tokens,
@@ -209,7 +237,8 @@ class Gateway:
 
     def _admit_principal(self, principal: Principal, client_addr: str | None, model: str, prompt_tokens: int,
                          max_tokens: int, stats_snapshot: object | None, request_id: str, engine_healthy: bool,
-                         started: float) -> Admission:
+                         started: float, num_sequences: int = 1,
+                         request_charge: RateLimitResult | None = None) -> Admission:
         check_model(principal, model)
         load = self._load(stats_snapshot, engine_healthy, started)
         decision = self.admission.decide(load, principal.tier, self.drain.rate, self.drain.mean_completion_tokens,
@@ -217,24 +246,27 @@ class Gateway:
         if not decision.admitted:
             raise shed_error(decision, principal.tier)
         tokens = max(0, prompt_tokens) + max(0, max_tokens)
-        self.concurrency.acquire(principal.tenant, principal.max_concurrency)
+        self.concurrency.acquire(principal.tenant, principal.max_concurrency, num_sequences)
         held = 0
         try:
             held = self.daily.hold(principal.tenant, principal.daily_tokens, tokens)
-            result = self._reserve(principal, tokens)
+            result = self._take(principal, _scopes(principal), tokens, request_charge is None)
         except BaseException:
             self.daily.release(principal.tenant, held)
-            self.concurrency.release(principal.tenant)
+            self.concurrency.release(principal.tenant, num_sequences)
             raise
+        if request_charge is not None:  # its requests/min view is the one to report
+            result = dataclasses.replace(result, requests=request_charge.requests)
         admission = Admission(uuid.uuid4().hex, request_id, principal, model, decision.priority, client_addr, started,
-                              prompt_tokens, max_tokens, held, result.reservation, result, decision.projected_wait_s)
+                              prompt_tokens, max_tokens, held, result.reservation, result, decision.projected_wait_s,
+                              num_sequences)
         with self._lock:
             self._open[admission.admission_id] = admission
         return admission
 
-    def _reserve(self, principal: Principal, tokens: int) -> RateLimitResult:
+    def _take(self, principal: Principal, scopes: list[RateScope], tokens: int, requests: bool) -> RateLimitResult:
         try:
-            result = self.limiter.reserve(_scopes(principal), tokens)
+            result = self.limiter.reserve(scopes, tokens, requests)
         except Exception:
             log.exception("rate limiter storage failed")
             raise GatewayError(503, "Rate limiting is unavailable; please retry shortly.", "server_error",
@@ -250,7 +282,7 @@ class Gateway:
                 return  # finished already
             others = bool(self._open)
         tenant, used, now = admission.principal.tenant, max(0, prompt_tokens) + max(0, completion_tokens), self._clock()
-        self.concurrency.release(tenant)
+        self.concurrency.release(tenant, admission.num_sequences)
         self.daily.release(tenant, admission.daily_hold)
         self.drain.observe_completion(used, completion_tokens, others, now,
                                       admission.max_tokens if status == 200 else None)
@@ -290,7 +322,7 @@ class Gateway:
         with self._lock:
             per_tenant: dict[str, int] = {}
             for a in self._open.values():
-                per_tenant[a.principal.tenant] = per_tenant.get(a.principal.tenant, 0) + 1
+                per_tenant[a.principal.tenant] = per_tenant.get(a.principal.tenant, 0) + a.num_sequences
         for tenant, n in per_tenant.items():
             if self.concurrency.active(tenant) != n:
                 raise AssertionError(f"tenant {tenant}: {n} open admissions, {self.concurrency.active(tenant)} counted")

@@ -30,30 +30,32 @@ def seconds_to_utc_midnight(now: float) -> float:
 
 
 class ConcurrencyLimiter:
-    """Counts requests in flight per tenant and refuses the one over the tenant's cap."""
+    """Counts sequences in flight per tenant (a request fanning out to k engine requests holds k)
+    and refuses the request that would go over the tenant's cap."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._active: dict[str, int] = {}
 
-    def acquire(self, tenant: str, limit: int | None) -> None:
+    def acquire(self, tenant: str, limit: int | None, count: int = 1) -> None:
         with self._lock:
             current = self._active.get(tenant, 0)
-            if limit is not None and current >= limit:
+            if limit is not None and current + count > limit:
+                what = "requests" if count == 1 else f"sequences (this request needs {count})"
                 raise too_many_requests(
-                    f"Too many concurrent requests for tenant '{tenant}' (limit {limit}); retry when one finishes.",
+                    f"Too many concurrent {what} for tenant '{tenant}' (limit {limit}); retry when one finishes.",
                     "concurrency_limit_exceeded", "requests", 1.0)
-            self._active[tenant] = current + 1
+            self._active[tenant] = current + count
 
-    def release(self, tenant: str) -> None:
+    def release(self, tenant: str, count: int = 1) -> None:
         with self._lock:
             current = self._active.get(tenant, 0)
-            if current <= 0:
+            if current < count:
                 raise RuntimeError(f"release without acquire for tenant {tenant!r}")
-            if current == 1:
+            if current == count:
                 del self._active[tenant]
             else:
-                self._active[tenant] = current - 1
+                self._active[tenant] = current - count
 
     def active(self, tenant: str) -> int:
         with self._lock:

@@ -170,10 +170,10 @@ class RateLimitResult:
         return out
 
 
-def _specs(scopes: Sequence[RateScope], tokens: int) -> tuple[list[BucketSpec], list[float]]:
+def _specs(scopes: Sequence[RateScope], tokens: int, requests: bool = True) -> tuple[list[BucketSpec], list[float]]:
     specs, amounts = [], []
     for scope in scopes:
-        if scope.rpm:
+        if scope.rpm and requests:
             specs.append(BucketSpec(f"{scope.name}:requests", scope.rpm, scope.rpm / 60.0, "requests"))
             amounts.append(1.0)
         if scope.tpm:
@@ -197,8 +197,9 @@ class RateLimiter:
     def __init__(self, storage: BucketStorage):
         self.storage = storage
 
-    def reserve(self, scopes: Sequence[RateScope], tokens: int) -> RateLimitResult:
-        specs, amounts = _specs(scopes, tokens)
+    def reserve(self, scopes: Sequence[RateScope], tokens: int, requests: bool = True) -> RateLimitResult:
+        """Take 1 request (unless `requests` is False: charged already) and `tokens` from each bucket."""
+        specs, amounts = _specs(scopes, tokens, requests)
         if not specs:
             return RateLimitResult(True, reservation=Reservation((), tokens))
         for spec in specs:

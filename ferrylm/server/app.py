@@ -22,7 +22,7 @@ from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.http import error_response
-from ferrylm.server import gatekeeping, inputs, serving
+from ferrylm.server import gatekeeping, inputs, prompts, serving
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.body import read_json_body
 from ferrylm.server.config import ServerConfig
@@ -31,6 +31,7 @@ from ferrylm.server.errors import APIError, install_error_handlers, invalid, par
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.middleware import RequestIdMiddleware, new_request_id
+from ferrylm.server.prompts import check_num_sequences
 from ferrylm.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ModelCard, ModelList, SamplingRequest)
 from ferrylm.server.serving import ResponseContext
@@ -108,8 +109,9 @@ async def chat_completions(request: Request) -> Response:
     ctx_id = _request_id(request, "chatcmpl")
     model = state.resolve_model(req.model)
     core = engine.engine
-    prompt = inputs.chat_prompt_ids(core.tokenizer, req)
+    check_num_sequences(1, req.n or 1, state.config.max_sequences_per_request)
     params = inputs.chat_params(req, core.vocab_size)
+    prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
     inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "messages")
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage))
@@ -125,15 +127,16 @@ async def completions(request: Request) -> Response:
     ctx_id = _request_id(request, "cmpl")
     model = state.resolve_model(req.model)
     core = engine.engine
-    prompts = inputs.completion_prompt_ids(core.tokenizer, req, core.vocab_size)
+    check_num_sequences(prompts.completion_prompt_count(req), req.n or 1, state.config.max_sequences_per_request)
     params = inputs.completion_params(req, core.vocab_size)
-    for prompt in prompts:
+    prompt_ids = await prompts.completion_prompt_ids(core.tokenizer, req, core.vocab_size, core.max_model_len)
+    for prompt in prompt_ids:
         inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "prompt")
     echo = [core.tokenizer.decode(p, skip_special_tokens=False) if not isinstance(req.prompt, str) else req.prompt
-            for p in prompts] if req.echo else None
+            for p in prompt_ids] if req.echo else None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage), echo)
-    return await _serve(request, state, engine, ctx, prompts, params, req, serving.stream_completion,
+    return await _serve(request, state, engine, ctx, prompt_ids, params, req, serving.stream_completion,
                         serving.completion_response)
 
 

@@ -79,6 +79,7 @@ class ServerState:
     async def _warm_up(self, engine: Engine) -> None:
         """One short chat generation through the whole path, so the first user pays no one-off costs."""
         tok = engine.tokenizer
+        await asyncio.to_thread(lambda: tok.max_token_chars)  # computed once, off the event loop
         prompt = (tok.apply_chat_template([{"role": "user", "content": "Hello"}]) if tok.has_chat_template
                   else tok.encode("Hello"))
         stream = self.engine.generate("warmup", prompt, SamplingParams(temperature=0.0, max_tokens=4))
