@@ -69,6 +69,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("FERRYLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (env FERRYLM_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="most prompts x n one API request may ask for (each is an engine request); more get 400")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--ready-timeout", type=float, default=5.0, help="seconds /ready's one-token probe may take")
@@ -126,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_names=tuple(args.served_model_name or [args.model]), host=args.host, port=args.port,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
+        max_sequences_per_request=args.max_sequences_per_request,
         ready_timeout_s=args.ready_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
         test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
         gateway=gateway_config_from_args(args))

@@ -17,6 +17,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 4 << 20  # larger bodies get 413 before they are parsed
+    max_sequences_per_request: int = 256  # prompts × n per API request (each is an engine request)
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     ready_timeout_s: float = 5.0  # /ready: how long the one-token probe may take
     heartbeat_timeout_s: float = 30.0  # /health: an engine loop silent for longer is wedged
@@ -27,6 +28,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ConfigError("at least one served model name is needed")
+        if self.max_sequences_per_request < 1:
+            raise ConfigError("max_sequences_per_request must be at least 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if min(self.drain_timeout_s, self.ready_timeout_s, self.heartbeat_timeout_s) <= 0:
