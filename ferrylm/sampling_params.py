@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -44,6 +46,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(token): bias for token, bias in self.logit_bias.items()}
         self.validate()
 
     @property
@@ -51,7 +55,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise SamplingParamsError naming the field for any out-of-range value."""
+        """Raise SamplingParamsError naming the field for any out-of-range value.
+
+        Types and finiteness come first: the range checks below compare, and NaN fails every
+        comparison while inf passes the one-sided ones (json.loads accepts both from a client).
+        """
+        self._validate_types()
         checks = [
             (self.n >= 1, "n must be at least 1", "n"),
             (self.temperature >= 0.0, "temperature must be non-negative", "temperature"),
@@ -73,3 +82,39 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             if not -100.0 <= float(bias) <= 100.0:
                 raise SamplingParamsError(f"logit_bias for token {token_id} must be in [-100, 100]", "logit_bias")
+
+    def _validate_types(self) -> None:
+        """Numbers where numbers are due, so the sampler never meets a str, a float id or a NaN."""
+        for name in _FLOAT_FIELDS:
+            if not _is_finite(getattr(self, name)):
+                raise SamplingParamsError(f"{name} must be a finite number", name)
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, numbers.Integral):
+                raise SamplingParamsError(f"{name} must be an integer", name)
+        if not isinstance(self.logit_bias, (dict, type(None))):
+            raise SamplingParamsError("logit_bias must map token ids to numbers", "logit_bias")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, numbers.Integral) or not _is_finite(bias):
+                raise SamplingParamsError(f"logit_bias for token {token_id!r} must be a finite number keyed "
+                                          "by an integer token id", "logit_bias")
+        if not all(isinstance(t, numbers.Integral) for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids must be integers", "stop_token_ids")
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def _token_key(token: object) -> object:
+    """OpenAI sends logit_bias keys as strings ("50256"); anything else is left for validate()."""
+    if isinstance(token, str):
+        try:
+            return int(token)
+        except ValueError:
+            raise SamplingParamsError(f"logit_bias key {token!r} is not a token id", "logit_bias") from None
+    return token

@@ -15,7 +15,15 @@ from ferrylm.sampling_params import SamplingParams
 
 
 class RequestRejected(ValueError):
-    """A request that can never be served (too long for the context window or the KV pool)."""
+    """A request that can never be served (too long for the context window or the KV pool).
+
+    `param` names the offending request field when there is one, like SamplingParamsError, so
+    the server's 400 can point at it.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class NewRequestData(NamedTuple):

@@ -19,12 +19,20 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.sampling_params import SamplingParams, SamplingParamsError
+from ferrylm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 # Smallest normal float32: uniform draws are clamped to it so log(U) is finite (no 0/inf or NaN
 # scores); it is also the smallest temperature we divide by.
 _MIN_DRAW = torch.finfo(torch.float32).tiny
+# Temperatures above this sample uniformly anyway; a float32 inf would turn -inf / inf into NaN.
+_MAX_TEMPERATURE = 1e30
+# Repetition penalties are clamped into [1e-30, 1e30] before the float32 copy: a smaller one
+# rounds to 0 or a subnormal (logit / 0 = inf, then inf - inf = NaN in softmax) and a larger one
+# to inf (0 * inf = NaN). Within the range a logit up to ~3e8 divided or multiplied stays finite,
+# and the penalty is already so extreme that seen tokens are effectively forced or banned.
+_MIN_REPETITION_PENALTY = 1e-30
+_MAX_REPETITION_PENALTY = 1e30
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 # Per-row scalars shipped to the device in one copy (see _scalar_columns for their no-op values).
@@ -152,8 +160,9 @@ def _row_values(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
     else:
         top_k = float(min(p.top_k, vocab_size)) if p.top_k is not None else float(vocab_size)
         # float32 would round temperatures below its tiny to 0 (0/0 = NaN on the best token).
-        sampling = (0.0, max(p.temperature, _MIN_DRAW), top_k, p.top_p, p.min_p)
-    return (*sampling, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        sampling = (0.0, min(max(p.temperature, _MIN_DRAW), _MAX_TEMPERATURE), top_k, p.top_p, p.min_p)
+    repetition = min(max(p.repetition_penalty, _MIN_REPETITION_PENALTY), _MAX_REPETITION_PENALTY)
+    return (*sampling, repetition, p.frequency_penalty, p.presence_penalty)
 
 
 def _scalar_columns(
@@ -188,14 +197,19 @@ def _seeded_rows(
 def _logit_bias_entries(
     params: list[SamplingParams], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Sparse (row, token, bias) triples; out-of-vocab ids are a user error."""
+    """Sparse (row, token, bias) triples.
+
+    Engine.add_request rejects out-of-vocab ids (with param "logit_bias"), so none arrive here;
+    any that did are skipped rather than raised, since an exception inside Engine.step kills the
+    engine loop for every request.
+    """
     rows: list[int] = []
     cols: list[int] = []
     values: list[float] = []
     for row, p in enumerate(params):
         for token, bias in (p.logit_bias or {}).items():
             if not 0 <= int(token) < vocab_size:
-                raise SamplingParamsError(f"logit_bias token {token} is outside the vocabulary", "logit_bias")
+                continue
             rows.append(row)
             cols.append(int(token))
             values.append(float(bias))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ferrylm.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from ferrylm.tokenizer import Tokenizer
 
@@ -10,9 +12,24 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+# vLLM's floor: JSON has no -inf or NaN (the encoder raises, or pydantic writes null), so a
+# banned token's logprob (-inf) or a degenerate NaN is sent as this finite "impossible" value.
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    """The logprob as a JSON-safe float in [-9999, 0]: NaN and -inf become -9999, +inf 0."""
+    if math.isnan(logprob):
+        return _MIN_LOGPROB
+    return min(max(float(logprob), _MIN_LOGPROB), 0.0)
+
+
 def _top(entries: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """The k most likely tokens (the chosen one is first in `entries` but need not be among them)."""
-    return sorted(entries.items(), key=lambda item: -item[1])[:k]
+    """The k most likely tokens (the chosen one is first in `entries` but need not be among them).
+
+    Values are made finite first so a NaN cannot scramble the sort.
+    """
+    return sorted(((tid, _finite(lp)) for tid, lp in entries.items()), key=lambda item: -item[1])[:k]
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
@@ -22,7 +39,7 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dic
         text = _token_text(tokenizer, token_id)
         tops = [TopLogprob(token=(t := _token_text(tokenizer, tid)), logprob=lp, bytes=list(t.encode()))
                 for tid, lp in _top(entries, k)]
-        content.append(TokenLogprob(token=text, logprob=entries[token_id], bytes=list(text.encode()),
+        content.append(TokenLogprob(token=text, logprob=_finite(entries[token_id]), bytes=list(text.encode()),
                                     top_logprobs=tops))
     return ChatLogprobs(content=content)
 
@@ -34,7 +51,7 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: li
     for token_id, entries in zip(token_ids, logprobs):
         text = _token_text(tokenizer, token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(entries[token_id])
+        result.token_logprobs.append(_finite(entries[token_id]))
         result.top_logprobs.append({_token_text(tokenizer, tid): lp for tid, lp in _top(entries, k)})
         result.text_offset.append(offset)
         offset += len(text)
