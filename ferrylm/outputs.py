@@ -6,6 +6,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
+class RequestOutputKind(str, Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # text, token_ids, logprobs: everything so far (the offline API)
+    DELTA = "delta"  # text, token_ids, logprobs: only what this step added (streaming servers:
+    # a consumer that falls behind then holds O(tokens) of backlog, not O(tokens²) of copies)
+
+
 class FinishReason(str, Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context window
@@ -14,7 +22,8 @@ class FinishReason(str, Enum):
 
 @dataclass
 class CompletionOutput:
-    """One sampled sequence. `text`/`token_ids` are cumulative; `*_delta` are what this step added."""
+    """One sampled sequence. `text`/`token_ids`/`logprobs` are cumulative, or with
+    RequestOutputKind.DELTA only this step's; `*_delta` are always what this step added."""
 
     index: int
     text: str

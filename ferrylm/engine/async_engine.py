@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 from ferrylm.engine.engine import Engine, EngineStats
-from ferrylm.outputs import RequestOutput
+from ferrylm.outputs import RequestOutput, RequestOutputKind
 from ferrylm.sampling_params import SamplingParams
 
 log = logging.getLogger("ferrylm.engine")
@@ -36,6 +36,7 @@ class _Add(NamedTuple):
     priority: int
     loop: asyncio.AbstractEventLoop
     admitted: asyncio.Future
+    output_kind: RequestOutputKind
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None) -> None:
@@ -131,7 +132,8 @@ class AsyncEngine:
         return f"{request_id}#{next(self._keys)}"
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> "RequestStream":
+                          priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+                          ) -> "RequestStream":
         """Admit a request and return its output stream; raises RequestRejected / SamplingParamsError.
 
         `request_id` labels the outputs and may repeat across requests. Closing the stream before it
@@ -145,7 +147,7 @@ class AsyncEngine:
         admitted = loop.create_future()
         key = self._new_key(request_id)
         self._queues[key] = (loop, queue)
-        command = _Add(key, prompt, params, priority, loop, admitted)
+        command = _Add(key, prompt, params, priority, loop, admitted, output_kind)
         self._count_pending(command, +1)
         self._commands.append(command)
         self._wake.set()
@@ -190,7 +192,8 @@ class AsyncEngine:
                 continue
             self._count_pending(command, -1)
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.priority)
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
+                                        output_kind=command.output_kind)
             except Exception as e:  # noqa: BLE001 - a rejection belongs to the caller, not the loop
                 _resolve(command.loop, command.admitted, e)
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from ferrylm.detokenizer import IncrementalDetokenizer
 from ferrylm.engine.block_manager import BlockManager
 from ferrylm.engine.request import Request
 from ferrylm.engine.scheduler import RequestRejected, Scheduler
-from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput
+from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput, RequestOutputKind
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.tokenizer import Tokenizer
 
@@ -65,6 +66,7 @@ class _Tracked:
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 
 class Engine:
@@ -107,7 +109,8 @@ class Engine:
         return max(max_tokens, 1)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
+                    priority: int = 0, arrival_time: float | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
         """Tokenize (if needed), validate against the model, and queue. Raises RequestRejected."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(prompt_ids, params)
@@ -119,13 +122,18 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer.hf, prompt_ids, skip_special_tokens=params.skip_special_tokens,
                                        stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detok,
-                                             logprobs=[] if params.logprobs is not None else None)
+                                             logprobs=[] if params.logprobs is not None else None,
+                                             output_kind=output_kind)
         return request
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        """Reject here everything the runner and sampler would trip on: they trust admitted
+        requests, and an exception inside step() would kill the engine loop for every request."""
+        params.validate()  # again: a caller may have changed the fields since construction
+        bad = [t for t in prompt_ids if not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            raise RequestRejected(f"prompt token id {bad[0]!r} is outside the vocabulary (size {self.vocab_size})",
+                                  "prompt")
         for param, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             for token_id in ids:
                 if not 0 <= int(token_id) < self.vocab_size:
@@ -183,10 +191,19 @@ class Engine:
 
     def _output(self, tracked: _Tracked, text_delta: str, token_delta: list[int]) -> RequestOutput:
         req = tracked.request
-        tracked.text += text_delta
+        logprobs = tracked.logprobs
+        if tracked.output_kind is RequestOutputKind.DELTA:
+            text, token_ids = text_delta, list(token_delta)
+            logprobs = None if logprobs is None else logprobs[len(logprobs) - len(token_delta):]
+            if logprobs is not None:
+                tracked.logprobs = []  # sent: the engine keeps no history a consumer already has
+        else:
+            tracked.text += text_delta
+            text, token_ids = tracked.text, req.output_token_ids
+            logprobs = None if logprobs is None else list(logprobs)
         completion = CompletionOutput(
-            index=0, text=tracked.text, token_ids=req.output_token_ids, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
+            index=0, text=text, token_ids=token_ids, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=logprobs,
             cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
             text_delta=text_delta, token_ids_delta=token_delta)
         # Copies: the consumer may read these on another thread while the engine keeps stepping.

@@ -3,6 +3,11 @@
 Each engine request is pumped by its own task into a shared queue, so the response sees outputs
 in the order the engine produced them. Cancelling a pump closes its AsyncEngine iterator, which
 aborts the engine request and frees its KV blocks: `aclose()` and `abort()` both rely on that.
+
+The engine sends deltas (RequestOutputKind.DELTA); the fanout keeps each choice's text, tokens
+and logprobs once, so a consumer that falls behind holds only what is unsent. That backlog is
+bounded: past `max_backlog` queued outputs (a client reading too slowly) the queue is dropped,
+every sequence is aborted, and the consumer gets StreamBacklogExceeded.
 """
 
 from __future__ import annotations
@@ -11,18 +16,21 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from ferrylm.engine.llm import child_params
-from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput
+from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput, RequestOutputKind
 from ferrylm.sampling_params import SamplingParams
+from ferrylm.server.errors import APIError
 
 
 class EngineClient(Protocol):
     """What the server needs of the engine (AsyncEngine implements it)."""
 
-    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
+                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+                          ) -> AsyncIterator[RequestOutput]: ...
 
 
 class SequenceObserver(Protocol):
@@ -47,12 +55,46 @@ class _Item(NamedTuple):
     error: BaseException | None
 
 
+class StreamBacklogExceeded(APIError):
+    """The client read its stream so slowly that too many outputs waited to be sent."""
+
+    def __init__(self, limit: int):
+        super().__init__(400, f"The stream was read too slowly: more than {limit} outputs waited to be sent, "
+                              "so the request was aborted.", code="stream_backlog_exceeded")
+
+
+@dataclass
+class _Choice:
+    """One sequence's output so far, accumulated from the engine's deltas."""
+
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    latest: RequestOutput | None = None  # the last delta (finish reason, metrics)
+
+    def add(self, out: RequestOutput) -> None:
+        c = out.outputs[0]
+        self.text_parts.append(c.text)
+        self.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(c.logprobs)
+        self.latest = out
+
+    def cumulative(self) -> RequestOutput:
+        c = self.latest.outputs[0]
+        completion = dataclasses.replace(c, text="".join(self.text_parts), token_ids=list(self.token_ids),
+                                         logprobs=None if self.logprobs is None else list(self.logprobs))
+        return dataclasses.replace(self.latest, outputs=[completion])
+
+
 class Fanout:
     """Starts `len(prompts) * params.n` engine requests; choice i = prompt i // n, sample i % n."""
 
     def __init__(self, client: EngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  priority: int = 0, observer_factory: Callable[[], SequenceObserver] | None = None,
-                 registry: FanoutRegistry | None = None):
+                 registry: FanoutRegistry | None = None, max_backlog: int | None = None):
         self.request_id = request_id
         self.prompts = prompts
         self.n = params.n
@@ -63,7 +105,9 @@ class Fanout:
         self._registry = registry
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
-        self.last: dict[int, RequestOutput] = {}
+        self._choices: dict[int, _Choice] = {}
+        self._max_backlog = max_backlog
+        self._overflowed = False
 
     @property
     def num_choices(self) -> int:
@@ -77,7 +121,8 @@ class Fanout:
         jobs = [(index, child_params(self._params, index % self.n), self.prompts[index // self.n])
                 for index in range(self.num_choices)]
         streams = await asyncio.gather(
-            *(self._client.add_request(f"{self.request_id}-{i}", prompt, params, self._priority)
+            *(self._client.add_request(f"{self.request_id}-{i}", prompt, params, self._priority,
+                                       RequestOutputKind.DELTA)
               for i, params, prompt in jobs), return_exceptions=True)
         failed = next((s for s in streams if isinstance(s, BaseException)), None)
         if failed is not None:
@@ -93,7 +138,11 @@ class Fanout:
             async for out in stream:
                 if observer is not None:
                     observer.on_output(out, time.monotonic())
+                if self._overflowed:
+                    break
                 self._queue.put_nowait(_Item(index, out, None))
+                if self._max_backlog is not None and self._queue.qsize() > self._max_backlog:
+                    self._overflow()
         except asyncio.CancelledError:
             if observer is not None:
                 observer.on_abort()  # no-op if it had finished
@@ -106,27 +155,52 @@ class Fanout:
             await stream.aclose()
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (choice index, output) until every sequence finished; aborted ones end with ABORT."""
+        """Yield (choice index, this step's delta) until every sequence finished; aborted ones end
+        with an ABORT delta. `final(i)` has the whole choice."""
         remaining = self.num_choices
         while remaining:
             item = await self._queue.get()
             if item.error is not None:
                 raise item.error
             out = item.output if item.output is not None else self._aborted_output(item.index)
-            self.last[item.index] = out
+            self._choices.setdefault(item.index, _Choice()).add(out)
             yield item.index, out
             if out.finished:
                 remaining -= 1
 
+    def final(self, index: int) -> RequestOutput:
+        """Choice `index` as one cumulative output (what it had, if it never finished)."""
+        choice = self._choices.get(index)
+        if choice is None or choice.latest is None:
+            return self._aborted_output(index)
+        return choice.cumulative()
+
+    def finals(self) -> list[RequestOutput]:
+        return [self.final(i) for i in range(self.num_choices)]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens the consumer has seen across every choice (what the request is billed)."""
+        return sum(len(c.token_ids) for c in self._choices.values())
+
     def _aborted_output(self, index: int) -> RequestOutput:
-        """A final output for a sequence cancelled before it finished: what it had, marked ABORT."""
-        prev = self.last.get(index)
+        """The final delta of a sequence cancelled before it finished: nothing new, marked ABORT."""
+        choice = self._choices.get(index)
+        prev = choice.latest if choice is not None else None
+        completion = CompletionOutput(0, "", [], FinishReason.ABORT,
+                                      logprobs=[] if prev is not None and prev.outputs[0].logprobs is not None
+                                      else None)
         if prev is None:
-            completion = CompletionOutput(0, "", [], FinishReason.ABORT)
             return RequestOutput(f"{self.request_id}-{index}", None, self.prompts[index // self.n], [completion], True)
-        c = prev.outputs[0]
-        completion = CompletionOutput(0, c.text, list(c.token_ids), FinishReason.ABORT, logprobs=c.logprobs)
         return dataclasses.replace(prev, outputs=[completion], finished=True)
+
+    def _overflow(self) -> None:
+        """Too much unsent: drop the backlog, abort every sequence, tell the consumer why."""
+        self._overflowed = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(_Item(-1, None, StreamBacklogExceeded(self._max_backlog or 0)))
+        self.abort()
 
     def abort(self) -> None:
         """End every unfinished sequence now (server draining); the stream reports them as aborted."""

@@ -10,15 +10,22 @@ from fastapi import Request
 
 from ferrylm.engine.async_engine import AsyncEngine
 from ferrylm.gateway.policy import Admission
+from ferrylm.gateway.reservation import reserved_tokens
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.state import ServerState
 
 
 async def authenticate(request: Request, state: ServerState) -> None:
-    """401 before anything else (body parsing included); the principal waits in request.state."""
-    if state.gateway is not None:
-        request.state.principal = await state.gateway.authenticate(request.headers)
+    """401 before anything else (body parsing included), then one request off the caller's
+    requests/min buckets (429 before any expensive work, so requests that later fail validation
+    count too). The principal and that charge wait in request.state for `admit`."""
+    if state.gateway is None:
+        return
+    request.state.principal = await state.gateway.authenticate(request.headers)
+    client = request.client.host if request.client else None
+    request.state.request_charge = await state.gateway.charge_request(
+        request.state.principal, client, getattr(request.state, "request_id", None))
 
 
 async def admit(request: Request, state: ServerState, engine: AsyncEngine, request_id: str, model: str,
@@ -26,13 +33,13 @@ async def admit(request: Request, state: ServerState, engine: AsyncEngine, reque
     """Auth, rate limits, quotas and load shedding; raises GatewayError (401/403/429/503) at once."""
     if state.gateway is None:
         return None
-    longest = max(len(p) for p in prompts)
-    per_choice = params.max_tokens if params.max_tokens is not None else max_model_len - longest
+    reserved = reserved_tokens([len(p) for p in prompts], params.n, params.max_tokens, max_model_len)
     client = request.client.host if request.client else None
     return await state.gateway.admit(
-        request.headers, client, model, sum(len(p) for p in prompts) * params.n,
-        per_choice * params.n * len(prompts), engine.stats(), request_id=request_id,
-        engine_healthy=engine.is_running, principal=getattr(request.state, "principal", None))
+        request.headers, client, model, reserved.prompt_tokens,
+        reserved.output_tokens, engine.stats(), request_id=request_id,
+        engine_healthy=engine.is_running, principal=getattr(request.state, "principal", None),
+        num_sequences=len(prompts) * params.n, request_charge=getattr(request.state, "request_charge", None))
 
 
 def priority(state: ServerState, admission: Admission | None, requested: int | None) -> int:
@@ -45,7 +52,7 @@ def priority(state: ServerState, admission: Admission | None, requested: int | N
 def usage(fanout: Fanout) -> tuple[int, int]:
     """(prompt tokens, completion tokens) of what the fanout has produced so far."""
     prompt = sum(len(p) for p in fanout.prompts) * fanout.n
-    completion = sum(len(out.outputs[0].token_ids) for out in fanout.last.values())
+    completion = fanout.num_completion_tokens
     return prompt, completion
 
 

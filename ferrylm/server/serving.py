@@ -74,11 +74,11 @@ async def collect(fanout: Fanout) -> list[RequestOutput]:
             pass
     finally:
         await fanout.aclose()
-    return [fanout.last[i] for i in range(fanout.num_choices)]
+    return fanout.finals()
 
 
 def _new_tokens(out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
-    """This step's token ids and their logprobs (the engine's logprobs list is cumulative)."""
+    """This step's token ids and their logprobs (cumulative or delta outputs alike)."""
     c = out.outputs[0]
     start = len(c.token_ids) - len(c.token_ids_delta)
     return c.token_ids[start:], (c.logprobs or [])[start:len(c.token_ids)]
@@ -136,7 +136,7 @@ async def _chat_events(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[st
 
 def _closing_events(ctx: ResponseContext, fanout: Fanout, usage_chunk: Callable) -> list[str]:
     """After every choice finished: the usage chunk when asked for, and the request's log line."""
-    finals = [fanout.last[i] for i in range(fanout.num_choices)]
+    finals = fanout.finals()
     events = [sse(usage_chunk(usage(fanout, finals)))] if ctx.include_usage else []
     _log_finished(ctx, fanout, finals, stream=True)
     return events

@@ -26,7 +26,7 @@ class ServerProcess:
     polls /ready; logs go to a temp file. `port` reuses a port (a replica restarted in place)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None,
-                 command: str = "serve", port: int | None = None):
+                 command: str = "serve", port: int | None = None, cwd: str | None = None):
         self.port = port or free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -36,7 +36,8 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self._log = self.log_path.open("wb")
         base_env = {k: v for k, v in os.environ.items() if k not in ("FERRYLM_API_KEY", "FERRYLM_TEST_HOOKS")}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**base_env, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**base_env, **(env or {})},
+                                     cwd=cwd)  # `python -m` imports ferrylm from cwd first
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
