@@ -71,13 +71,34 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--max-sequences-per-request", type=int, default=256,
                    help="most prompts x n one API request may ask for (each is an engine request); more get 400")
+    p.add_argument("--max-stream-backlog", type=int, default=4096,
+                   help="outputs a stream may have waiting for a slow reader; past it the request is aborted")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--ready-timeout", type=float, default=5.0, help="seconds /ready's one-token probe may take")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="/health fails when the engine loop has been silent this long")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_connection_args(p)
     _add_gateway_policy_args(p)
+
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    """Idle and slow clients (uvicorn's names; the defaults are ConnectionLimits')."""
+    g = p.add_argument_group("connections (idle and slow clients)")
+    g.add_argument("--timeout-keep-alive", type=float, default=15.0,
+                   help="seconds an idle keep-alive connection stays open between requests")
+    g.add_argument("--timeout-headers", type=float, default=10.0,
+                   help="seconds a client may take to send a request's headers; slower ones are closed")
+    g.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="open connections (or requests in flight) beyond which requests get 503")
+
+
+def connection_limits_from_args(args: argparse.Namespace):
+    from ferrylm.server.config import ConnectionLimits
+
+    return ConnectionLimits(timeout_keep_alive_s=args.timeout_keep_alive, timeout_headers_s=args.timeout_headers,
+                            limit_concurrency=args.limit_concurrency)
 
 
 def _add_gateway_policy_args(p: argparse.ArgumentParser) -> None:
@@ -96,6 +117,9 @@ def _add_gateway_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--audit-prompts", action="store_true", help="store prompt text in the audit log")
     g.add_argument("--no-admission-control", action="store_true",
                    help="never shed on engine load (auth, rate limits and quotas still apply)")
+    g.add_argument("--metrics-require-auth", action="store_true",
+                   help="/metrics and /load take the /v1 credential (default: open, for Prometheus; they show "
+                        "load, and the gateway's metrics name the replica URLs)")
 
 
 def gateway_config_from_args(args: argparse.Namespace):
@@ -128,10 +152,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_names=tuple(args.served_model_name or [args.model]), host=args.host, port=args.port,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
-        max_sequences_per_request=args.max_sequences_per_request,
+        max_sequences_per_request=args.max_sequences_per_request, max_stream_backlog=args.max_stream_backlog,
         ready_timeout_s=args.ready_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
         test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
-        gateway=gateway_config_from_args(args))
+        gateway=gateway_config_from_args(args), metrics_require_auth=args.metrics_require_auth,
+        connections=connection_limits_from_args(args))
     return run_server(config, lambda: Engine.from_config(engine_config))
 
 
@@ -153,6 +178,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_connection_args(p)
     _add_gateway_policy_args(p)
 
 
@@ -166,12 +192,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         router = load_router_config(args.router_config, args.upstream, default_model=args.model, policy=args.policy,
                                     upstream_api_key=args.upstream_api_key, max_attempts=args.max_attempts,
                                     poll_interval_s=args.poll_interval, expose_upstream=args.expose_upstream_header)
+        connections = connection_limits_from_args(args)
     except ConfigError as e:
         print(f"ferrylm gateway: {e}", file=sys.stderr)
         return 2
     config = GatewayServerConfig(router=router, gateway=gateway_config_from_args(args), host=args.host,
                                  port=args.port, max_body_bytes=args.max_body_bytes,
-                                 drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+                                 drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+                                 metrics_require_auth=args.metrics_require_auth, connections=connections)
     return run_gateway(config)
 
 

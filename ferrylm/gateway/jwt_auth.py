@@ -37,6 +37,20 @@ def _load_jwks(path: str) -> dict[str | None, jwt.PyJWK]:
     return keys
 
 
+def _timestamp(value: object) -> float:
+    """A NumericDate claim as a float, or AuthError: a signed token can still carry a bool, a
+    string, inf, or an integer too large for a float (10**400 would overflow every comparison)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AuthError("Invalid token.", "invalid_token")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        raise AuthError("Invalid token.", "invalid_token") from None
+    if not math.isfinite(seconds):
+        raise AuthError("Invalid token.", "invalid_token")
+    return seconds
+
+
 class JWTVerifier:
     """Verifies tokens against one JWTConfig; `verify` returns the claims or raises AuthError."""
 
@@ -94,10 +108,7 @@ class JWTVerifier:
 
     def _check_times(self, claims: dict) -> None:
         now, leeway = self._clock(), self.config.leeway_s
-        times = {name: claims.get(name) for name in ("exp", "nbf", "iat") if name in claims}
-        for value in times.values():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise AuthError("Invalid token.", "invalid_token")
+        times = {name: _timestamp(claims.get(name)) for name in ("exp", "nbf", "iat") if name in claims}
         if now >= times["exp"] + leeway:
             raise AuthError("Token has expired.", "token_expired")
         if "nbf" in times and now + leeway < times["nbf"]:

@@ -22,6 +22,7 @@ from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.http import error_response
+from ferrylm.gateway.ops_auth import require_credential
 from ferrylm.server import gatekeeping, inputs, prompts, serving
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.body import read_json_body
@@ -58,7 +59,8 @@ async def _start(state: ServerState, engine: AsyncEngine, ctx: ResponseContext, 
                                "prompt_tokens": [len(p) for p in prompts], "max_tokens": params.max_tokens,
                                "stream": bool(req.stream), "user": req.user})
     fanout = Fanout(engine, ctx.request_id, prompts, params, priority,
-                    observer_factory=lambda: SequenceTimer(state.metrics, ctx.start), registry=state.drain)
+                    observer_factory=lambda: SequenceTimer(state.metrics, ctx.start), registry=state.drain,
+                    max_backlog=state.config.max_stream_backlog if req.stream else None)
     try:
         await fanout.start()
     except (RequestRejected, SamplingParamsError) as e:
@@ -176,6 +178,8 @@ async def load(request: Request) -> JSONResponse:
     """The engine's stats snapshot as JSON, for a gateway in front of this replica: admission
     control and least-outstanding-token routing read it (503 until the engine is up)."""
     state = _state(request)
+    if state.config.metrics_require_auth:  # the gateway polls it with its --upstream-api-key
+        await require_credential(request.headers, state.config.api_key, state.gateway)
     engine = state.engine
     if engine is None or not state.ready:
         return JSONResponse({"status": "loading"}, status_code=503)
@@ -189,7 +193,11 @@ async def load(request: Request) -> JSONResponse:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    """Prometheus text; open unless --metrics-require-auth (then /v1's credential, 401 without)."""
+    state = _state(request)
+    if state.config.metrics_require_auth:
+        await require_credential(request.headers, state.config.api_key, state.gateway)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def debug_stall(request: Request, seconds: float) -> dict:

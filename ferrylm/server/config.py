@@ -6,6 +6,25 @@ from dataclasses import dataclass
 
 from ferrylm.config import ConfigError
 from ferrylm.gateway.config import GatewayConfig
+from ferrylm.gateway.ops_auth import check_credential_sources
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a client connection may sit idle or dribble a request head, and how many may be
+    open at once (`ferrylm serve` and `ferrylm gateway` alike; flags named after uvicorn's)."""
+
+    # Longer than httpx's (and so the openai SDK's) 5 s pool expiry: a client never reuses a
+    # keep-alive connection at the instant the server closes it.
+    timeout_keep_alive_s: float = 15.0  # idle between requests on a keep-alive connection
+    timeout_headers_s: float = 10.0  # a request head must be complete this long after it began
+    limit_concurrency: int = 1024  # open connections (and requests in flight); beyond: 503
+
+    def __post_init__(self) -> None:
+        if min(self.timeout_keep_alive_s, self.timeout_headers_s) <= 0:
+            raise ConfigError("connection timeouts must be positive")
+        if self.limit_concurrency < 1:
+            raise ConfigError("limit_concurrency must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -18,18 +37,22 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20  # larger bodies get 413 before they are parsed
     max_sequences_per_request: int = 256  # prompts × n per API request (each is an engine request)
+    max_stream_backlog: int = 4096  # outputs a stream may have waiting for a slow reader before it is aborted
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     ready_timeout_s: float = 5.0  # /ready: how long the one-token probe may take
     heartbeat_timeout_s: float = 30.0  # /health: an engine loop silent for longer is wedged
     test_hooks: bool = False  # expose /debug/* (env FERRYLM_TEST_HOOKS=1); never in production
     log_level: str = "info"
     gateway: GatewayConfig | None = None  # auth, rate limits, quotas, admission control, audit
+    metrics_require_auth: bool = False  # /metrics and /load take /v1's credential (default: open)
+    connections: ConnectionLimits = ConnectionLimits()  # keep-alive / header timeouts, connection cap
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ConfigError("at least one served model name is needed")
-        if self.max_sequences_per_request < 1:
-            raise ConfigError("max_sequences_per_request must be at least 1")
+        check_credential_sources(self.metrics_require_auth, self.api_key, self.gateway is not None)
+        if min(self.max_sequences_per_request, self.max_stream_backlog) < 1:
+            raise ConfigError("max_sequences_per_request and max_stream_backlog must be at least 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if min(self.drain_timeout_s, self.ready_timeout_s, self.heartbeat_timeout_s) <= 0:

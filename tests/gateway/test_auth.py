@@ -137,6 +137,15 @@ def test_nbf_in_the_future(acme, clock):
     assert auth.authenticate(f"Bearer {token}").tenant == "acme"
 
 
+@pytest.mark.parametrize("times", [{"exp": 10**400}, {"exp": -10**400}, {"nbf": 10**400}, {"iat": 10**400},
+                                   {"exp": 1e400}, {"nbf": -1e400}, {"exp": True}])
+def test_validly_signed_absurd_times_are_401_not_a_crash(acme, clock, times):
+    """json decodes 10**400 to an int no float can hold; comparing it with the clock overflowed."""
+    auth = Authenticator(acme, jwt_config(secret=SECRET), clock)
+    token = jwt.encode(claims(**times), SECRET, algorithm="HS256")  # 1e400 is inf: sent as `Infinity`
+    expect_401(auth, f"Bearer {token}", "invalid_token")
+
+
 def test_bad_signature(acme, clock):
     auth = Authenticator(acme, jwt_config(secret=SECRET), clock)
     expect_401(auth, "Bearer " + jwt.encode(claims(), "another-secret-of-32-bytes-len!!", algorithm="HS256"))

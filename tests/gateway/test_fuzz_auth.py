@@ -14,11 +14,14 @@ from ferrylm.gateway import Gateway, GatewayConfig, JWTConfig
 from ferrylm.gateway.auth import Authenticator
 from ferrylm.gateway.errors import AuthError
 from ferrylm.gateway.store import Store
+from tests.conftest import examples
 from tests.gateway.helpers import T0, FakeClock
 from tests.gateway.jwt_helpers import b64url, forge_hs256
 
 SECRET = "fuzz-secret-0123456789abcdef0123456789"
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Derandomized under the ci profile (tests/conftest.py); `make fuzz` scales the examples up.
+FUZZ = settings(max_examples=examples(300), deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,7 @@ def test_validly_signed_random_claims(world, body, header):
     assert "nbf" not in body or body["nbf"] <= T0
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=examples(150))
 @given(headers=st.dictionaries(st.sampled_from(["authorization", "Authorization", "AUTHORIZATION", "x-api-key"]),
                                st.one_of(st.text(max_size=100), jwt_like().map(lambda t: "Bearer " + t)), max_size=3))
 def test_gateway_never_admits_without_credentials(world, headers):

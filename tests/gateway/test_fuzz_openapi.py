@@ -31,11 +31,15 @@ from ferrylm.gateway.store import Store
 from ferrylm.server.app import build_app
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.launcher import bind_socket
+from tests.conftest import examples
 from tests.model.tiny_models import COMMON, make_tiny_model
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+# Inherits derandomize=True from the ci profile (tests/conftest.py): schemathesis then applies no
+# random seed of its own (it seeds only non-derandomized tests), so every run sends the same
+# requests. `make fuzz` (profile "fuzz") randomizes and scales the examples up.
+FUZZ = settings(max_examples=examples(60), deadline=None, suppress_health_check=list(HealthCheck))
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # What a request without a valid credential gets: 401, whatever its body.

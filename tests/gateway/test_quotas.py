@@ -11,6 +11,7 @@ from ferrylm.gateway import Gateway, GatewayConfig
 from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.quotas import seconds_to_utc_midnight, utc_day
 from ferrylm.gateway.store import Store
+from tests.conftest import examples
 from tests.gateway.helpers import FakeClock, admit
 
 
@@ -80,7 +81,7 @@ def test_refused_requests_release_what_they_took(make_gateway, store):
 ops = st.lists(st.tuples(st.sampled_from(["admit", "finish", "advance"]), st.integers(0, 500)), max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(ops=ops)
 def test_random_admit_finish_sequences_keep_invariants(ops):
     clock = FakeClock()

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.rate_limit import (MemoryBucketStorage, RateLimiter, RateScope, format_duration)
+from tests.conftest import examples
 from tests.gateway.helpers import FakeClock, admit
 
 
@@ -120,7 +121,7 @@ ops = st.lists(st.tuples(st.sampled_from(["reserve", "settle", "advance"]), st.i
                          st.floats(0, 1)), max_size=60)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(ops=ops, tpm=st.integers(50, 2000), rpm=st.one_of(st.none(), st.integers(1, 50)))
 def test_random_operations_never_overspend(ops, tpm, rpm):
     """Net tokens spent never exceed the bucket plus what it refilled; invariants hold throughout."""

@@ -19,6 +19,7 @@ from ferrylm.gateway.routing.registry import ReplicaRegistry
 from ferrylm.gateway.routing.replica import Replica
 from ferrylm.gateway.routing.retry_budget import RetryBudget
 from ferrylm.gateway.routing.sse import _parse
+from tests.conftest import examples
 
 
 def replica(url: str) -> Replica:
@@ -57,7 +58,7 @@ def test_retry_budget_limits_retries_to_a_fraction_of_requests():
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["begin", "first", "gen", "close"]),
                           st.integers(0, 500)), max_size=60))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 def test_outstanding_tokens_follow_tickets(ops):
     r = replica("http://a")
     tickets = {}

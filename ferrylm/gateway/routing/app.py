@@ -17,16 +17,19 @@ from fastapi.responses import JSONResponse, Response
 from ferrylm.gateway.admission import EngineLoad
 from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.http import error_response
+from ferrylm.gateway.ops_auth import require_credential
+from ferrylm.gateway.reservation import reserved_tokens
 from ferrylm.gateway.routing import prompt_info
 from ferrylm.gateway.routing.config import GatewayServerConfig
 from ferrylm.gateway.routing.dispatch import Dispatcher
+from ferrylm.gateway.routing.inflight import InFlight
 from ferrylm.gateway.routing.metrics import RouterMetrics
 from ferrylm.gateway.routing.poller import HealthPoller
 from ferrylm.gateway.routing.policies import RouteContext
 from ferrylm.gateway.routing.registry import ModelGroup, ReplicaRegistry
 from ferrylm.gateway.routing.relay import StreamRelay
 from ferrylm.gateway.routing.replica import ReplicaLoad
-from ferrylm.server.body import read_json_body
+from ferrylm.gateway.routing.request_body import read_request_body
 from ferrylm.server.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.server.drain import DrainController
 from ferrylm.server.errors import APIError, install_error_handlers, parse_model
@@ -36,6 +39,7 @@ from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest, Mo
 log = logging.getLogger("ferrylm.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
+PASSED_HEADERS = ("retry-after", "retry-after-ms", "www-authenticate")  # from a replica's whole answer
 
 
 class GatewayState:
@@ -126,23 +130,18 @@ async def _route_context(state: GatewayState, group: ModelGroup,
     """Token counts (for limits, admission and outstanding tokens) and prefix hashes (for affinity)."""
     block_size = group.upstream_block_size()
     try:
-        n_prompts, prompt_tokens, hashes, key = await asyncio.to_thread(prompt_info.describe, group.tokenizer,
-                                                                         block_size, req)
+        info = await asyncio.to_thread(prompt_info.describe, group.tokenizer, block_size, req)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     n = req.n or 1
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.router.default_max_tokens
-    echo_chunks = n * n_prompts if getattr(req, "echo", False) else 0
-    return RouteContext(prompt_tokens * n, max_tokens * n * n_prompts, hashes, key,
-                        block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks)
-
-
-class _Waiting:
-    """A non-streaming request in flight, for the drain to wait on (past the deadline uvicorn's
-    graceful shutdown ends it)."""
-
-    def abort(self) -> None:
-        pass
+    # What the replica's engine will allow, as `ferrylm serve` reserves it: without max_tokens,
+    # the rest of the replicas' context window (the router default only until /load reports it).
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    reserved = reserved_tokens(info.prompt_lens, n, max_tokens, group.upstream_max_model_len(),
+                               state.config.router.default_max_tokens)
+    echo_chunks = n * len(info.prompt_lens) if getattr(req, "echo", False) else 0
+    return RouteContext(reserved.prompt_tokens, reserved.output_tokens, info.hashes, info.key,
+                        block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks, n * len(info.prompt_lens))
 
 
 class _Settlement:
@@ -162,17 +161,21 @@ class _Settlement:
 async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> Response:
     state = _state(request)
     state.drain.check_admitting()
-    waiting = _Waiting()
+    waiting = InFlight()
     state.drain.add(waiting)  # from here the SIGTERM drain waits for this request
     try:
-        return await _proxy_admitted(request, state, model_cls, path, prefix)
+        return await _proxy_admitted(request, state, model_cls, path, prefix, waiting)
     finally:
         state.drain.discard(waiting)
 
 
-async def _proxy_admitted(request: Request, state: GatewayState, model_cls: type, path: str, prefix: str) -> Response:
+async def _proxy_admitted(request: Request, state: GatewayState, model_cls: type, path: str, prefix: str,
+                          waiting: InFlight) -> Response:
     principal = await state.gateway.authenticate(request.headers) if state.gateway is not None else None
-    body = await read_json_body(request, state.config.max_body_bytes)
+    client = request.client.host if request.client else None
+    # One request off requests/min before the body is read or tokenized (as `ferrylm serve`).
+    charge = await state.gateway.charge_request(principal, client) if state.gateway is not None else None
+    body = await read_request_body(request, state.config.max_body_bytes)
     req = parse_model(model_cls, body)
     group = state.registry.resolve(req.model)
     if group is None:
@@ -181,17 +184,17 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: type
     ctx = await _route_context(state, group, req)
     admission = None
     if state.gateway is not None:
-        admission = await state.gateway.admit(request.headers, request.client.host if request.client else None,
-                                              group.name, ctx.prompt_tokens, ctx.expected_output,
-                                              state.group_load(group), request_id=request_id,
-                                              principal=principal)
+        admission = await state.gateway.admit(request.headers, client, group.name, ctx.prompt_tokens,
+                                              ctx.expected_output, state.group_load(group), request_id=request_id,
+                                              principal=principal, num_sequences=ctx.num_sequences,
+                                              request_charge=charge)
     settle = _Settlement(state, admission, ctx)
     priority = admission.priority if admission is not None and state.gateway.config.require_auth else None
     headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
     status = 500
     try:
-        d = await cancel_on_disconnect(request, state.dispatcher.dispatch(
-            group, path, _upstream_body(body, req, priority), headers, ctx, bool(req.stream)))
+        d = await cancel_on_disconnect(request, waiting.guard(state.dispatcher.dispatch(
+            group, path, _upstream_body(body, req, priority), headers, ctx, bool(req.stream))))
         extra = admission.response_headers if admission is not None else {}
         if state.config.router.expose_upstream:
             extra["X-FerryLM-Upstream"] = d.replica.url
@@ -219,15 +222,16 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: type
 
 
 async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Response:
-    """A whole (non-streaming, or error) upstream response, passed through with its status."""
+    """A whole (non-streaming, or error) upstream response, passed through with its status and
+    body bytes as they came (a replica's 4xx is the client's answer, OpenAI error body and all)."""
     content, status = d.response.content, d.response.status_code
     usage: dict = {}
+    for name in PASSED_HEADERS:
+        if name in d.response.headers:
+            extra[name] = d.response.headers[name]
     try:
         body = d.response.json() if status == 200 else None
         usage = body.get("usage") or {} if isinstance(body, dict) else {}
-        for name in ("retry-after", "retry-after-ms"):
-            if name in d.response.headers:
-                extra[name] = d.response.headers[name]
     except ValueError:
         pass
     finally:
@@ -252,7 +256,8 @@ async def list_models(request: Request) -> ModelList:
     if state.gateway is not None:
         await state.gateway.authenticate(request.headers)
     registry = state.registry
-    return ModelList(data=[ModelCard(id=name, root=group) for name, group in registry.model_names()])
+    return ModelList(data=[ModelCard(id=name, root=group, max_model_len=registry.groups[group].upstream_max_model_len())
+                           for name, group in registry.model_names()])
 
 
 async def health(request: Request) -> JSONResponse:
@@ -271,7 +276,11 @@ async def ready(request: Request) -> JSONResponse:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus text. Its `replica` labels name the internal replica URLs, so
+    --metrics-require-auth asks for a credential here (open by default, for scrapers)."""
     state = _state(request)
+    if state.config.metrics_require_auth:
+        await require_credential(request.headers, None, state.gateway)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ferrylm.config import ConfigError
+from ferrylm.gateway.ops_auth import check_credential_sources
+from ferrylm.server.config import ConnectionLimits
 
 POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "latency")
 
@@ -52,7 +54,7 @@ class RouterConfig:
     first_byte_timeout_s: float = 300.0  # a replica that accepted but never answers
     affinity_credit: float = 1.0  # prefix affinity: a cached prompt token offsets this many outstanding ones
     affinity_map_size: int = 100_000  # block hashes remembered for prefix affinity
-    default_max_tokens: int = 256  # expected output when a request sets no max_tokens
+    default_max_tokens: int = 256  # no max_tokens and no replica has reported max_model_len yet
     upstream_api_key: str | None = None  # sent to the replicas as a Bearer token
     expose_upstream: bool = False  # name the answering replica in an X-FerryLM-Upstream header
 
@@ -140,3 +142,8 @@ class GatewayServerConfig:
     max_body_bytes: int = 4 << 20
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    connections: ConnectionLimits = ConnectionLimits()  # keep-alive / header timeouts, connection cap
+    metrics_require_auth: bool = False  # /metrics (replica URLs in its labels) takes a credential
+
+    def __post_init__(self) -> None:
+        check_credential_sources(self.metrics_require_auth, None, self.gateway is not None)

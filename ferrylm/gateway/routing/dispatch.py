@@ -1,9 +1,13 @@
 """Send a request to a replica of a model group, retrying elsewhere until the first token.
 
 A try fails over (to another replica, then to the fallback groups) on a connect error, a 5xx,
-a broken connection, or an in-band error before any token; every retry spends from the
-fleet-wide RetryBudget and waits a doubling backoff. Once a token has been read the replica is
-committed: later failures end the stream with an error event (relay.py), never a retry."""
+a broken connection, or an in-band engine error before any token; every retry spends from the
+fleet-wide RetryBudget and waits a doubling backoff, and each such replica fault counts toward
+the replica's circuit breaker. A 4xx (or an in-band `invalid_request_error`) is the request's
+fault, not the replica's: it is the answer, passed to the client as it came, never retried and
+never counted (a half-open probe answered so is released undecided), so a client sending bad
+requests cannot eject the fleet. Once a token has been read the replica is committed: later
+failures end the stream with an error event (relay.py), never a retry."""
 
 from __future__ import annotations
 
@@ -49,6 +53,12 @@ class Dispatch:
     rest: AsyncIterator[Event] | None = None
     first_token_at: float | None = None
     echo_left: int = 0  # completions with echo: text chunks of the echoed prompt still to come
+    in_band_client_error: bool = False  # the stream's first event was an invalid_request_error
+
+    @property
+    def client_error(self) -> bool:
+        """The replica refused the request itself (it is healthy; another would refuse it too)."""
+        return is_client_error(self.response.status_code) or self.in_band_client_error
 
     def is_token(self, event: Event) -> bool:
         """Generated text, not the echoed prompt (which a replica sends before any prefill)."""
@@ -74,6 +84,16 @@ class Dispatch:
                 await self.response.aclose()
             finally:
                 self.ticket.close()
+
+
+def is_client_error(status: int) -> bool:
+    """4xx: the request's fault (bad parameters, auth, too large, rate limited), not the replica's."""
+    return 400 <= status < 500
+
+
+def _blames_request(error: dict) -> bool:
+    """An in-band error event the replica raised about the request, not about itself."""
+    return error.get("type") == "invalid_request_error"
 
 
 def no_upstream(group: ModelGroup, failure: UpstreamFailure | None) -> APIError:
@@ -127,8 +147,11 @@ class Dispatcher:
                 except BaseException:  # cancelled (client gone) or a bug: the replica is not to blame
                     breaker.release_probe()
                     raise
-                breaker.record_success()
-                g.policy.record(ctx, choice.replica)
+                if result.client_error:  # an answer, but it says nothing about the replica's health
+                    breaker.release_probe()
+                else:
+                    breaker.record_success()
+                    g.policy.record(ctx, choice.replica)
                 return result
         raise no_upstream(group, failure)
 
@@ -184,6 +207,10 @@ class Dispatcher:
         try:
             while True:
                 event = await d.rest.__anext__()
+                if event.error and _blames_request(event.error):  # the answer, as from any replica
+                    d.head.append(event)
+                    d.in_band_client_error = True
+                    return
                 if event.error:  # nothing has reached the client yet: another replica may do better
                     raise UpstreamFailure(d.replica, "stream_error", detail=str(event.error.get("message")))
                 d.head.append(event)

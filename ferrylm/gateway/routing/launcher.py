@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import uvicorn
-
 from ferrylm.gateway.routing.app import build_gateway_app
 from ferrylm.gateway.routing.config import GatewayServerConfig
 from ferrylm.observability.log import configure_logging
-from ferrylm.server.launcher import KEEP_ALIVE_S, DrainingServer, bind_socket
+from ferrylm.server.launcher import DrainingServer, bind_socket, uvicorn_config
 
 log = logging.getLogger("ferrylm.gateway")
 
@@ -19,10 +17,7 @@ def run_gateway(config: GatewayServerConfig) -> int:
     configure_logging(config.log_level)
     sock = bind_socket(config.host, config.port)
     app = build_gateway_app(config)
-    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                               timeout_graceful_shutdown=5, log_level=config.log_level,
-                               timeout_keep_alive=KEEP_ALIVE_S)
-    server = DrainingServer(uv_config, app.state.ferry)
+    server = DrainingServer(uvicorn_config(app, config.connections, config.log_level), app.state.ferry)
     host, port = sock.getsockname()[:2]
     log.info("listening", extra={"url": f"http://{host}:{port}", "host": host, "port": port,
                                  "models": [g.name for g in config.router.groups],

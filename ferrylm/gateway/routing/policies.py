@@ -23,6 +23,7 @@ class RouteContext(NamedTuple):
     affinity_key: int | None = None  # fallback key when there are no block hashes (no tokenizer)
     block_size: int = 16  # tokens per block hash
     echo_chunks: int = 0  # completions with echo: the replica streams the prompt back first
+    num_sequences: int = 1  # prompts × n: engine requests, each held against the tenant's concurrency
 
 
 class Choice(NamedTuple):

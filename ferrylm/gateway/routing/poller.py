@@ -20,9 +20,16 @@ from ferrylm.gateway.routing.replica import Replica, ReplicaLoad
 log = logging.getLogger("ferrylm.gateway.routing")
 
 
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 class HealthPoller:
     def __init__(self, registry: ReplicaRegistry, config: RouterConfig, client: httpx.AsyncClient):
         self.registry, self.config, self.client = registry, config, client
+        # A replica with --metrics-require-auth answers /load only with a credential.
+        key = config.upstream_api_key
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -75,13 +82,15 @@ class HealthPoller:
         load = None
         if ok:
             try:
-                load = await self.client.get(replica.url + "/load", timeout=self.config.poll_timeout_s)
+                load = await self.client.get(replica.url + "/load", timeout=self.config.poll_timeout_s,
+                                             headers=self._auth)
             except httpx.HTTPError:
                 pass
         if load is not None and load.status_code == 200:
             body = load.json()
             replica.load = ReplicaLoad.from_json(body)
             replica.block_size = body.get("block_size") or replica.block_size
+            replica.max_model_len = _positive_int(body.get("max_model_len")) or replica.max_model_len
             models = body.get("models") or []
             replica.served_model = models[0] if models else replica.served_model
         if ready != replica.ready:

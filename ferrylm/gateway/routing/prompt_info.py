@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from typing import NamedTuple
 
 from ferrylm.engine.block_manager import block_hashes
 from ferrylm.server import inputs
@@ -39,18 +40,23 @@ def prompt_token_lists(tokenizer, request: ChatCompletionRequest | CompletionReq
     return inputs.completion_prompt_ids(tokenizer, request, tokenizer.vocab_size)
 
 
-def describe(tokenizer, block_size: int | None,
-             request: ChatCompletionRequest | CompletionRequest) -> tuple[int, int, tuple[int, ...], int | None]:
-    """(number of prompts, total prompt tokens, block hashes of the first prompt, text affinity key)."""
+class PromptInfo(NamedTuple):
+    prompt_lens: list[int]  # tokens of each prompt (a chat request has one)
+    hashes: tuple[int, ...]  # the engine's block hashes of the first prompt (exact tokens only)
+    key: int | None  # a text affinity key when the tokens are estimated
+
+
+def describe(tokenizer, block_size: int | None, request: ChatCompletionRequest | CompletionRequest) -> PromptInfo:
+    """Token counts per prompt and the prefix-affinity key of a request."""
     if tokenizer is not None:
         prompts = prompt_token_lists(tokenizer, request)
         size = block_size or DEFAULT_BLOCK_SIZE
         first = prompts[0][:MAX_HASHED_BLOCKS * size] if prompts else []
-        return len(prompts), sum(len(p) for p in prompts), tuple(block_hashes(first, size)), None
+        return PromptInfo([len(p) for p in prompts], tuple(block_hashes(first, size)), None)
     if isinstance(request, ChatCompletionRequest):
         texts = [_chat_text(request)]
     else:
         p = request.prompt
         texts = [p] if isinstance(p, str) else [str(x) for x in p] if p and not isinstance(p[0], int) else [str(p)]
-    total = sum(len(t) // CHARS_PER_TOKEN + 1 for t in texts)
-    return len(texts), total, (), _stable_hash(texts[0][:512]) if texts else None
+    lens = [len(t) // CHARS_PER_TOKEN + 1 for t in texts]
+    return PromptInfo(lens, (), _stable_hash(texts[0][:512]) if texts else None)

@@ -34,6 +34,11 @@ class ModelGroup:
         sizes = {r.block_size for r in self.replicas if r.block_size}
         return sizes.pop() if len(sizes) == 1 else None
 
+    def upstream_max_model_len(self) -> int | None:
+        """The largest context window among the replicas (None before any reported one): a
+        request may land on any of them, so reserving for the largest never under-reserves."""
+        return max((r.max_model_len for r in self.replicas if r.max_model_len), default=None)
+
 
 class ReplicaRegistry:
     """Every group and replica of a RouterConfig (a URL in two groups is two Replica objects:

@@ -20,6 +20,13 @@ log = logging.getLogger("ferrylm.gateway.routing")
 Settle = Callable[[int, int | None, int], Awaitable[None]]  # (status, prompt tokens or None, completion tokens)
 
 
+def _error_status(error: dict) -> int:
+    """The status an in-band error stands for (the client already has the 200)."""
+    if error.get("type") == "invalid_request_error":
+        return 400
+    return 503 if error.get("code") == "engine_dead" else 500
+
+
 class StreamRelay:
     """An async iterator of bytes for SSEResponse; closing it (client gone) closes the upstream
     connection, which makes the replica abort the request and free its KV blocks. A class, not an
@@ -30,6 +37,7 @@ class StreamRelay:
         self._d, self._wants_usage, self._settle_cb, self._on_done = d, wants_usage, settle, on_done
         self._aborted = False
         self._metrics, self._on_failure = metrics, on_failure
+        self._faulted = False  # this stream's replica fault is counted (once) toward its breaker
         # Events read before commit: only the last can be a token (the first), and only if one came.
         self._pending = [(e, d.first_token_at is not None and i == len(d.head) - 1) for i, e in enumerate(d.head)]
         self._abort_task: asyncio.Task | None = None
@@ -85,9 +93,14 @@ class StreamRelay:
 
     def _fail(self, reason: str) -> None:
         log.warning("replica stream broke", extra={"replica": self._d.replica.url, "reason": reason})
-        self._on_failure(self._d.replica)
+        self._replica_fault()
         self._metrics.stream_errors.labels(self._d.group.name).inc()
         self._end_with_error(f"The model replica {reason}; the response is incomplete.", "upstream_error", 502)
+
+    def _replica_fault(self) -> None:
+        if not self._faulted:
+            self._faulted = True
+            self._on_failure(self._d.replica)
 
     def _end_with_error(self, message: str, code: str, status: int) -> None:
         self._status = status
@@ -111,7 +124,9 @@ class StreamRelay:
             self._completion += event.tokens
             self._d.ticket.generated(event.tokens)
         if event.error:
-            self._status = int(event.error.get("code") == "engine_dead" and 503 or 500)
+            self._status = _error_status(event.error)
+            if self._status >= 500:  # an engine error in-band: the replica's fault, as a broken stream is
+                self._replica_fault()
         if event.usage is not None:
             self._usage = event.usage
             if not self._wants_usage:

@@ -75,6 +75,7 @@ class Replica:
         self.load: ReplicaLoad | None = None
         self.served_model: str | None = None  # the upstream's own model name, from /load
         self.block_size: int | None = None
+        self.max_model_len: int | None = None  # the replica's context window, from /load
         self.ttft_ewma_s: float | None = None
         self._alpha = ewma_alpha
         self._lock = threading.Lock()
