@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 SMOLLM2 = "smollm2-135m"
+
+# Hypothesis profiles (schemathesis runs on hypothesis too). "ci", the default and what `make test`
+# runs: derandomized (examples drawn from a seed derived from each test's source, so every run
+# draws the same ones), no example database, no deadlines or timing health checks, and each
+# test's own bounded max_examples. "fuzz" (`make fuzz`, env HYPOTHESIS_PROFILE=fuzz): randomized,
+# with the example database, FUZZ_SCALE times each test's examples. A test's own @settings must
+# not set derandomize or database, and should size its budget with examples(n).
+FUZZ_SCALE = 20
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=100,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("fuzz", derandomize=False, deadline=None, max_examples=100 * FUZZ_SCALE,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> int:
+    """A test's example budget: `n` under the ci profile, FUZZ_SCALE times `n` under fuzz.
+    Read when the test module is imported, after the profile is loaded (this conftest)."""
+    return n * FUZZ_SCALE if settings.get_current_profile_name() == "fuzz" else n
 
 
 def smollm2_available() -> bool:

@@ -1,7 +1,10 @@
 """OpenAI API schemas (chat completions, completions, models) plus vLLM's sampling extras.
 
-Requests ignore unknown fields, as OpenAI does. Ranges OpenAI documents are checked here so the
-error names the field; everything else is checked when SamplingParams is built.
+Requests keep unknown fields (extra="allow", in `model_extra`) rather than dropping them:
+inputs.check_supported refuses with a 400 naming the field every known OpenAI or vLLM field that
+would change the output but is not implemented (response_format, tools, guided_json, ...), and
+logs the rest as ignored, as vLLM does. Ranges OpenAI documents are checked here so the error
+names the field; everything else is checked when SamplingParams is built.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ FinishReasonStr = Literal["stop", "length", "abort"]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # vLLM's continuous_usage_stats is refused, not dropped
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields: see the module docstring
 
     model: str | None = None  # None: the first served model (vLLM's behaviour)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -55,7 +60,7 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """A message of the conversation; content may be a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # tool_calls, audio...: refused by inputs.check_supported
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart] | None = None

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrylm.engine.block_manager import BlockManager, block_hashes
+from tests.conftest import examples
 
 BS = 4
 
@@ -81,7 +82,7 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0
                          st.integers(0, 2)), max_size=60)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(ops)
 def test_random_operations_keep_invariants(operations):
     bm = BlockManager(10, BS)

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferrylm.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from tests.conftest import examples
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FFFD = "\ufffd"
@@ -212,7 +213,8 @@ ALPHABET = st.sampled_from(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     text=st.lists(ALPHABET, max_size=40).map("".join),
     prompt=st.sampled_from(["", "Say:", "日本"]),
@@ -226,7 +228,8 @@ def test_random_text_random_chunks_reconstructs(tok: Any, text: str, prompt: str
     assert joined(detok, deltas) == tok.decode(ids)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     text=st.lists(ALPHABET, max_size=40).map("".join),
     stop=st.lists(st.lists(ALPHABET, min_size=1, max_size=3).map("".join), min_size=1, max_size=3),

@@ -14,6 +14,7 @@ from ferrylm.engine.request import Request
 from ferrylm.engine.scheduler import RequestRejected, Scheduler
 from ferrylm.outputs import FinishReason
 from ferrylm.sampling_params import SamplingParams
+from tests.conftest import examples
 
 BS = 4
 
@@ -110,7 +111,7 @@ actions = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), 
                              st.integers(1, 30), st.integers(1, 12), st.integers(-1, 2)), max_size=80)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(actions, st.integers(8, 40), st.booleans())
 def test_random_add_step_abort_sequences(ops, num_blocks, prefix):
     s = make(num_blocks=num_blocks, budget=12, max_seqs=4, prefix=prefix)
