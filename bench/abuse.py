@@ -183,6 +183,7 @@ def main() -> None:
     for r in rows:
         print(" | ".join(fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
