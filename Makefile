@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ferrylm-installed
 
-.PHONY: setup serve generate test fuzz bench clean
+.PHONY: setup serve generate lint test fuzz bench clean
 
 $(STAMP): pyproject.toml Makefile
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)  # shared rate limits
@@ -23,7 +23,10 @@ serve: setup
 generate: setup
 	$(VENV)/bin/ferrylm generate --model smollm2-135m --prompt "$(or $(PROMPT),Tell me about the sea.)"
 
-test: setup  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
+lint: setup  # ruff (config in pyproject.toml); mypy is configured there too but not yet clean on engine/
+	$(VENV)/bin/ruff check ferrylm tests bench
+
+test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider
 
 fuzz: setup  # the long randomized campaign: every hypothesis/schemathesis test, 20x the examples

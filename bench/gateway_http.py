@@ -124,7 +124,7 @@ async def chat_stream(client: httpx.AsyncClient, model: str, headers: dict, i: i
 
     try:
         result = await asyncio.wait_for(go(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         result = Result("timeout", time.perf_counter() - start, state.get("ttft"), admitted=bool(state.get("admitted")))
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result = Result("error", time.perf_counter() - start, state.get("ttft"), admitted=bool(state.get("admitted")),

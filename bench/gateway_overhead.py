@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -25,13 +26,14 @@ import jwt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrylm.gateway import Gateway, GatewayConfig, GatewayError, JWTConfig  # noqa: E402
-from ferrylm.gateway.admission import AdmissionController, EngineLoad  # noqa: E402
+from ferrylm.gateway.admission import AdmissionController  # noqa: E402
 from ferrylm.gateway.config import AdmissionConfig  # noqa: E402
 from ferrylm.gateway.store import Store  # noqa: E402
+from ferrylm.load_report import LoadReport  # noqa: E402
 
 SECRET = "bench-secret-0123456789abcdef0123456789"
-SATURATED = EngineLoad(num_waiting=500, num_running=64, num_waiting_prompt_tokens=200_000, kv_cache_usage=0.99,
-                       tokens_total=0)
+SATURATED = dataclasses.replace(LoadReport.empty(), num_waiting=500, num_running=64,
+                                num_waiting_prompt_tokens=200_000, kv_blocks_used=99, kv_blocks_total=100)
 BIG = 10**12  # limits that never bind, so every request takes the full path
 
 
@@ -101,11 +103,11 @@ def scenarios(db: str, args: argparse.Namespace) -> dict[str, list[float]]:
     results["anonymous (open server) (sync)"] = timed(admit_finish(gateway(db), {}), n)
     gw_shed = gateway(db, require_auth=True)
     gw_shed.drain.observe_snapshot(SATURATED, 0.0)
-    gw_shed.drain.observe_snapshot(SATURATED._replace(tokens_total=1000), 1.0)  # 1,000 tokens/s
+    gw_shed.drain.observe_snapshot(dataclasses.replace(SATURATED, prompt_tokens_total=1000), 1.0)  # 1,000 tokens/s
     results["shed by admission (auth + audit row)"] = timed(shed(gw_shed, key), n)
     gw_quiet = gateway(db, require_auth=True, audit_rejections=False)
     gw_quiet.drain.observe_snapshot(SATURATED, 0.0)
-    gw_quiet.drain.observe_snapshot(SATURATED._replace(tokens_total=1000), 1.0)
+    gw_quiet.drain.observe_snapshot(dataclasses.replace(SATURATED, prompt_tokens_total=1000), 1.0)
     results["shed by admission (auth, no audit row)"] = timed(shed(gw_quiet, key), n)
     controller = AdmissionController(AdmissionConfig())
     results["admission decision alone"] = timed(lambda: controller.decide(SATURATED, "standard", 1000.0, 128), n)

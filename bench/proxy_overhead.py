@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         gateway.stop()
         replica.stop()
     print(f"\nferrylm gateway hop vs direct to the replica, {args.n} interleaved requests per path and scenario (ms)")
-    head = f"{'scenario':24} {'direct p50':>10} {'gateway p50':>11} {'+p50':>7} {'direct p99':>10} {'gateway p99':>11} {'+p99':>7}"
+    head = (f"{'scenario':24} {'direct p50':>10} {'gateway p50':>11} {'+p50':>7} "
+            f"{'direct p99':>10} {'gateway p99':>11} {'+p99':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:

@@ -66,8 +66,15 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class Usage:
+    """What a request costs, the one billing rule of every front door: each prompt counts once
+    (not once per sample, as OpenAI's usage reports it) plus every generated token."""
+
     prompt_tokens: int
     completion_tokens: int
+
+    @classmethod
+    def of(cls, prompt_lens: list[int], completion_tokens: int) -> "Usage":
+        return cls(sum(prompt_lens), completion_tokens)
 
     @property
     def total_tokens(self) -> int:

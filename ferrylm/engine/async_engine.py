@@ -18,15 +18,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from ferrylm.engine.engine import Engine, EngineStats
+from ferrylm.engine.client import EngineDeadError, ModelInfo
+from ferrylm.engine.engine import Engine
+from ferrylm.load_report import LoadReport
 from ferrylm.outputs import RequestOutput, RequestOutputKind
 from ferrylm.sampling_params import SamplingParams
 
 log = logging.getLogger("ferrylm.engine")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop crashed; the server answers 503 until restarted."""
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
 
 class _Add(NamedTuple):
@@ -59,7 +58,9 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.5):
-        self.engine = engine
+        self.engine = engine  # for tests and tools; the server reads model_info instead
+        self.model_info = ModelInfo(engine.config.model, engine.tokenizer, engine.vocab_size, engine.max_model_len,
+                                    engine.config.cache.block_size)
         self._lock = threading.Lock()  # held by the loop around each step; for tests and tools
         self._commands: collections.deque[_Add | str] = collections.deque()  # adds and abort ids, in order
         self._pending_lock = threading.Lock()  # guards only the counters below
@@ -78,6 +79,24 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._stats = engine.stats()
 
+    def check_invariants(self) -> None:
+        """Consistency of the queued work and the open streams; call when no add_request is
+        between its two steps (tests call it after awaiting every operation)."""
+        with self._lock:  # the loop is between steps
+            adds = [c for c in self._commands if isinstance(c, _Add)]
+            with self._pending_lock:
+                counts = (self._pending_adds, self._pending_tokens, self._pending_output, self._pending_certain)
+            if counts[0] != len(adds) or min(counts) < 0:
+                raise AssertionError(f"pending counters {counts} but {len(adds)} queued adds")
+            for key in self._queues:
+                label, _, seq = key.rpartition("#")
+                if not seq.isdigit():
+                    raise AssertionError(f"stream key {key!r} was not minted by this engine")
+            check = getattr(self.engine, "check_invariants", None) or getattr(
+                getattr(self.engine, "scheduler", None), "check_invariants", None)
+            if check is not None:
+                check()
+
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ferrylm-engine", daemon=True)
@@ -93,6 +112,15 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    @property
+    def errored(self) -> bool:
+        return self.error is not None
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the loop crashed or is not running."""
+        if not self.is_running:
+            raise EngineDeadError(f"engine loop not running: {self.error!r}")
+
     def seconds_since_heartbeat(self) -> float:
         return time.monotonic() - self.heartbeat
 
@@ -101,7 +129,7 @@ class AsyncEngine:
         self._stall_until = time.monotonic() + seconds
         self._wake.set()
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> LoadReport:
         """The snapshot taken after the last step, plus requests queued for admission since (so a
         burst is visible to admission control before the loop gets to it). Never blocks on a step."""
         with self._pending_lock:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from typing import Any
@@ -11,28 +10,11 @@ from tqdm import tqdm
 
 from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
 from ferrylm.engine.engine import Engine
+from ferrylm.engine.parallel_sampling import ParentRequest
 from ferrylm.outputs import RequestOutput
 from ferrylm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]  # "text" or {"prompt_token_ids": [...]} or {"prompt": "..."}
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Params of the index-th of n samples: n=1, and a distinct seed when the parent is seeded."""
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
-
-
-def merge_children(children: list[RequestOutput], request_id: str) -> RequestOutput:
-    """Fold n single-sequence outputs into one RequestOutput with outputs[0..n-1]."""
-    outputs = []
-    for i, child in enumerate(children):
-        completion = child.outputs[0]
-        completion.index = i
-        outputs.append(completion)
-    first = children[0]
-    return RequestOutput(request_id, first.prompt, first.prompt_token_ids, outputs,
-                         all(c.finished for c in children), first.num_cached_tokens, first.metrics)
 
 
 class LLM:
@@ -87,26 +69,33 @@ class LLM:
 
     def _run(self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool,
              priority: list[int] | None) -> list[RequestOutput]:
-        children: dict[str, list[str]] = {}
+        """One ParentRequest per prompt (n children in the engine), folded back in prompt order."""
+        parents: list[ParentRequest] = []
+        children: dict[str, tuple[ParentRequest, int]] = {}
         for i, (prompt, p) in enumerate(zip(inputs, params)):
-            rid = str(next(self._ids))
-            children[rid] = [f"{rid}-{j}" for j in range(p.n)]
-            for j, cid in enumerate(children[rid]):
-                self.engine.add_request(cid, prompt, child_params(p, j), priority[i] if priority else 0)
-        finished = self._drain(sum(len(c) for c in children.values()), use_tqdm)
-        return [merge_children([finished[c] for c in cids], rid) for rid, cids in children.items()]
+            parent = ParentRequest(str(next(self._ids)), p)
+            parents.append(parent)
+            for j, (child_id, child_params) in enumerate(parent.children()):
+                self.engine.add_request(child_id, prompt, child_params, priority[i] if priority else 0,
+                                        output_kind=parent.output_kind)
+                children[child_id] = (parent, j)
+        self._drain(children, use_tqdm)
+        return [parent.output() for parent in parents]
 
-    def _drain(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=total, desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+    def _drain(self, children: dict[str, tuple[ParentRequest, int]], use_tqdm: bool) -> None:
+        """Step until idle, handing each child's deltas to its parent."""
+        bar = tqdm(total=len(children), desc="Processed prompts", unit="req", disable=not use_tqdm,
+                   dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.request_id not in children:
+                    continue  # someone else's request on a shared engine
+                parent, j = children[out.request_id]
+                parent.add(j, out)
                 generated += len(out.outputs[0].token_ids_delta)
                 if out.finished:
-                    finished[out.request_id] = out
                     bar.update(1)
             bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
                                 refresh=False)
         bar.close()
-        return finished

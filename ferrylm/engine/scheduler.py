@@ -11,6 +11,7 @@ from ferrylm.config import SchedulerConfig
 from ferrylm.engine.block_manager import BlockManager
 from ferrylm.engine.request import Request, RequestStatus
 from ferrylm.outputs import FinishReason
+from ferrylm.request_limits import ContextLengthExceeded, check_context_window
 from ferrylm.sampling_params import SamplingParams
 
 
@@ -78,11 +79,11 @@ class Scheduler:
         """Queue a request, or raise RequestRejected if it could never complete."""
         total = request.num_prompt_tokens + request.max_tokens
         if request.num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty")
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request needs "
-                f"{total} ({request.num_prompt_tokens} in the prompt + {request.max_tokens} max_tokens)")
+            raise RequestRejected("the prompt is empty", "prompt")
+        try:
+            check_context_window(request.num_prompt_tokens, request.max_tokens, self.max_model_len)
+        except ContextLengthExceeded as e:
+            raise RequestRejected(str(e), e.param) from None
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
             raise RequestRejected(
                 f"the request needs {total} tokens of KV cache, more than the whole pool "

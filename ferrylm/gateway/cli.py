@@ -40,7 +40,7 @@ def _limit(value: int | None) -> str:
 
 
 def _when(ts: float | None) -> str:
-    return "-" if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

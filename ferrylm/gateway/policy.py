@@ -24,15 +24,22 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ferrylm.gateway.admission import AdmissionController, DrainRateTracker, EngineLoad, shed_error
+from ferrylm.gateway.admission import AdmissionController, DrainRateTracker, shed_error
 from ferrylm.gateway.audit import AuditLog, AuditRecord
 from ferrylm.gateway.auth import Authenticator, Principal, check_model
 from ferrylm.gateway.config import AdmissionConfig, GatewayConfig, JWTConfig
 from ferrylm.gateway.errors import AuthError, GatewayError, too_many_requests
 from ferrylm.gateway.quotas import ConcurrencyLimiter, DailyQuota
-from ferrylm.gateway.rate_limit import (BucketStorage, MemoryBucketStorage, RateLimiter, RateLimitResult, RateScope,
-                                        Reservation)
+from ferrylm.gateway.rate_limit import (
+    BucketStorage,
+    MemoryBucketStorage,
+    RateLimiter,
+    RateLimitResult,
+    RateScope,
+    Reservation,
+)
 from ferrylm.gateway.store import Store
+from ferrylm.load_report import LoadReport
 
 __all__ = ["Admission", "AdmissionConfig", "Gateway", "GatewayConfig", "GatewayError", "JWTConfig"]
 
@@ -226,12 +233,10 @@ class Gateway:
                 pass
         return self._anonymous
 
-    def _load(self, stats_snapshot: object | None, engine_healthy: bool, now: float) -> EngineLoad | None:
+    def _load(self, stats_snapshot: LoadReport | None, engine_healthy: bool, now: float) -> LoadReport | None:
         if stats_snapshot is None:
-            return None if engine_healthy else EngineLoad(0, 0, 0, 0.0, False)
-        load = stats_snapshot if isinstance(stats_snapshot, EngineLoad) else EngineLoad.from_stats(stats_snapshot)
-        if not engine_healthy:
-            load = load._replace(healthy=False)
+            return None if engine_healthy else LoadReport.empty(healthy=False)
+        load = stats_snapshot if engine_healthy else dataclasses.replace(stats_snapshot, healthy=False)
         self.drain.observe_snapshot(load, now)
         return load
 

@@ -20,12 +20,12 @@ from ferrylm.gateway.store import Store
 
 
 def utc_day(now: float) -> str:
-    return dt.datetime.fromtimestamp(now, dt.timezone.utc).strftime("%Y-%m-%d")
+    return dt.datetime.fromtimestamp(now, dt.UTC).strftime("%Y-%m-%d")
 
 
 def seconds_to_utc_midnight(now: float) -> float:
-    day = dt.datetime.fromtimestamp(now, dt.timezone.utc).date()
-    midnight = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.timezone.utc)
+    day = dt.datetime.fromtimestamp(now, dt.UTC).date()
+    midnight = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC)
     return midnight.timestamp() - now
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ferrylm.request_limits import resolve_max_tokens
+
 
 class Reservation(NamedTuple):
     prompt_tokens: int  # every prompt, once per choice
@@ -18,17 +20,15 @@ def reserved_tokens(prompt_lens: list[int], n: int, max_tokens: int | None, max_
     """Prompt and output tokens to reserve for `n` choices of each prompt.
 
     With `max_tokens` each choice may generate that many. Without it the engine runs each choice
-    to the end of the context window (`max_model_len - prompt`, at least 1, as
-    Engine.resolve_max_tokens does), so that is reserved. `fallback_max_tokens` stands in only
+    to the end of the context window (request_limits.resolve_max_tokens, the engine's own rule),
+    so that is reserved. `fallback_max_tokens` stands in only
     when the context window is not known yet (a gateway before its first /load answer)."""
     if n < 1:
         raise ValueError("n must be at least 1")
     per_prompt: list[int] = []
     for length in prompt_lens:
-        if max_tokens is not None:
-            per_prompt.append(max_tokens)
-        elif max_model_len is not None:
-            per_prompt.append(max(max_model_len - length, 1))
+        if max_tokens is not None or max_model_len is not None:
+            per_prompt.append(resolve_max_tokens(max_tokens, length, max_model_len or 0))
         elif fallback_max_tokens is not None:
             per_prompt.append(fallback_max_tokens)
         else:

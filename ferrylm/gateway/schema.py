@@ -5,7 +5,7 @@ Times are epoch seconds (float) so both databases compare them the same way.
 
 from __future__ import annotations
 
-from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text)
+from sqlalchemy import BigInteger, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text
 
 # A declaration, not state: the schema every Store creates and queries.
 metadata = MetaData()

@@ -6,11 +6,15 @@ static buffers sized for the largest bucket and padded up to the bucket: padding
 write their K/V into a reserved pad block that the block manager never hands out, and their
 outputs are dropped. Prefill, mixed and oversize batches run eagerly.
 
-The attention backend must launch decode kernels from shapes only (never from host-side lengths);
-backends that do declare `supports_cuda_graphs = True` (TritonBackend).
+The attention backend must launch decode kernels from shapes only (never from host-side lengths):
+each bucket's attention metadata is prepared once, from the static padded inputs and before
+capture, and every replay reuses it. Backends whose `prepare` of a decode-only batch depends on
+shapes only declare `supports_cuda_graphs = True` (TritonBackend).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +86,12 @@ class StaticDecodeInputs:
             self.block_tables[n:size, 0].fill_(self.pad_block)
 
 
+class CapturedGraph(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor  # hidden states [size, hidden], overwritten by each replay
+    inputs: ForwardBatch  # the static view it was captured with; keeps its attention metadata alive
+
+
 class CudaGraphRunner:
     """Captures `model` for each bucket size, then serves decode batches by replay.
 
@@ -92,7 +102,7 @@ class CudaGraphRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], max_num_seqs: int, max_blocks: int,
                  pad_block: int, block_size: int):
-        backend = model.layers[0].self_attn.backend if len(model.layers) else None
+        backend = model.attn_backend
         if not getattr(backend, "supports_cuda_graphs", False):
             raise ValueError(f"{type(backend).__name__} launches decode kernels from host-side lengths; "
                              "CUDA graphs need a backend with supports_cuda_graphs (TritonBackend)")
@@ -100,26 +110,29 @@ class CudaGraphRunner:
         self.device = kv_caches[0][0].device
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.inputs = StaticDecodeInputs(max_num_seqs, max_blocks, pad_block, block_size, self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.backend = backend
+        self.graphs: dict[int, CapturedGraph] = {}
 
     def can_replay(self, batch: ForwardBatch) -> bool:
         return bool(self.graphs) and self.inputs.fits(batch)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up (compiles the kernels) and capture every bucket, largest first, in one memory pool."""
+        """Warm up (compiles the kernels) and capture every bucket, largest first, in one memory pool.
+        Each bucket's attention metadata is prepared before its capture, outside the graph."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model and KV cache on a CUDA device")
         pool = None
         for size in reversed(self.sizes):
             view = self.inputs.view(size)
+            view = view.with_attn_metadata(self.backend.prepare(view))
             self.model(view, self.kv_caches)  # all rows are padding here: lengths 1, pad slot
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(view, self.kv_caches)
             pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            self.graphs[size] = CapturedGraph(graph, out, view)
         torch.cuda.synchronize(self.device)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
@@ -127,12 +140,13 @@ class CudaGraphRunner:
         if size is None or not self.can_replay(batch):
             raise ValueError(f"no captured graph for a batch of {batch.num_seqs} rows")
         self.inputs.fill(batch, size)
-        graph, out = self.graphs[size]
-        graph.replay()
-        return out[:batch.num_seqs]
+        captured = self.graphs[size]
+        captured.graph.replay()
+        return captured.output[:batch.num_seqs]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states for `batch`: graph replay when possible, eager otherwise."""
+        """Hidden states for `batch`: graph replay when possible (its own metadata, if any, is not
+        needed), eager otherwise."""
         if self.can_replay(batch):
             return self.replay(batch)
         return self.model(batch, self.kv_caches)

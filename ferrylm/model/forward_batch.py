@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +25,9 @@ class ForwardBatch:
     # Host copies for control flow (avoid device syncs).
     seq_lens_list: list[int]
     query_lens_list: list[int]
+    # What the attention backend's prepare(batch) derived from the fields above, once per step;
+    # None until attached (the model then prepares it itself, still once per forward).
+    attn_metadata: object | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -33,6 +36,10 @@ class ForwardBatch:
     @property
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens_list)
+
+    def with_attn_metadata(self, metadata: object) -> "ForwardBatch":
+        """This batch with `metadata` attached (a copy: a batch is never mutated after building)."""
+        return replace(self, attn_metadata=metadata)
 
     @classmethod
     def build(

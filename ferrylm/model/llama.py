@@ -75,6 +75,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The whole decoder; `forward` returns hidden states, `compute_logits` only for sampled rows.
 
+    `backend`: the attention backend every layer calls.
+
     `fused_ops`: optional CPU extension with in-place add+RMSNorm and packed RoPE (fewer op dispatches).
     """
 
@@ -82,6 +84,7 @@ class LlamaForCausalLM(nn.Module):
                  fused_ops=None):
         super().__init__()
         self.config = config
+        self.attn_backend = backend  # shared by every layer; prepare(batch) once per forward
         positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling_dict,
                                       fused_ops)
@@ -95,6 +98,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+        """Hidden states [T, hidden]. The runner attaches the step's attention metadata; callers that
+        do not (tests, benchmarks) get it prepared here, still once for all layers."""
+        if batch.attn_metadata is None:
+            batch = batch.with_attn_metadata(self.attn_backend.prepare(batch))
         x = self.embed_tokens(batch.input_ids)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

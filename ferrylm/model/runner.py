@@ -9,8 +9,8 @@ import torch
 
 from ferrylm.config import CacheConfig, ModelConfig
 from ferrylm.engine.scheduler import SchedulerOutput
-from ferrylm.model.attention.cpu import cpu_fused_ops, make_attention_backend
-from ferrylm.model.attention.triton import TritonBackend, triton_available
+from ferrylm.model.attention import AttentionSpec, select_backend
+from ferrylm.model.attention.cpu import cpu_fused_ops
 from ferrylm.model.cuda_graphs import CudaGraphRunner
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
@@ -35,23 +35,26 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 class ModelRunner:
-    """Everything that touches a tensor. Built once; `execute` is called once per engine step."""
+    """Everything that touches a tensor. Built once; `execute` is called once per engine step.
+
+    `attention`: which backend select_backend picks ("auto" unless a test wants a given one).
+    """
 
     def __init__(self, checkpoint: Checkpoint, cache_config: CacheConfig, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enforce_eager: bool = False):
+                 max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto"):
         self.config: ModelConfig = checkpoint.config
         self.device, self.dtype = device, dtype
         self.block_size = cache_config.block_size
-        use_triton = device.type == "cuda" and triton_available()
-        backend = TritonBackend() if use_triton else make_attention_backend(device)
-        self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, backend, max_model_len,
+        spec = AttentionSpec.for_model(self.config, self.block_size, dtype, device)
+        self.attn_backend = select_backend(spec, attention)
+        self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, self.attn_backend, max_model_len,
                                                    cpu_fused_ops(device))
         self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens)
         # One block past the engine's pool (index num_blocks) takes the writes of CUDA-graph padding rows.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
         self.graphs: CudaGraphRunner | None = None
-        if use_triton and not enforce_eager:
+        if device.type == "cuda" and self.attn_backend.supports_cuda_graphs and not enforce_eager:
             self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs,
                                           max_blocks=-(-max_model_len // self.block_size),
                                           pad_block=self.num_blocks, block_size=self.block_size)
@@ -91,11 +94,19 @@ class ModelRunner:
         batch = ForwardBatch.build(
             [s.token_ids for s in output.scheduled], [s.num_computed_tokens for s in output.scheduled],
             [s.block_ids for s in output.scheduled], self.block_size, rows, self.device)
-        hidden = self.graphs.forward(batch) if self.graphs is not None else self.model(batch, self.kv_caches)
+        hidden = self._forward(batch)
         if not rows:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         return self._sample(logits, [output.scheduled[i].request_id for i in rows])
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states: a graph replay for a decode batch that fits (each graph holds the metadata
+        prepared from its static inputs at capture), else the model with this step's attention
+        metadata, prepared here once for all layers."""
+        if self.graphs is not None and self.graphs.can_replay(batch):
+            return self.graphs.replay(batch)
+        return self.model(batch.with_attn_metadata(self.attn_backend.prepare(batch)), self.kv_caches)
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> RunnerOutput:
         states = [self.states[rid] for rid in request_ids]

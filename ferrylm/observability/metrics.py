@@ -1,7 +1,7 @@
 """Prometheus metrics under vLLM's names with a `ferrylm:` prefix, in a registry owned by one app.
 
 Latency histograms are observed as outputs reach the server (what a client sees); engine gauges
-and counters are read from `EngineStats` at scrape time by a collector, so they can never drift.
+and counters are read from the engine's `LoadReport` at scrape time by a collector, so they can never drift.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ferrylm.engine.engine import EngineStats
+from ferrylm.load_report import LoadReport
 from ferrylm.outputs import FinishReason, RequestOutput
 
 PREFIX = "ferrylm:"
@@ -25,7 +25,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-StatsSource = Callable[[], EngineStats | None]
+StatsSource = Callable[[], LoadReport | None]
 
 
 class EngineStatsCollector(Collector):
@@ -41,7 +41,7 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         return self._families(self._stats())
 
-    def _families(self, s: EngineStats | None) -> list[Metric]:
+    def _families(self, s: LoadReport | None) -> list[Metric]:
         gauges = [("num_requests_running", "Requests in the running batch.", s and s.num_running),
                   ("num_requests_waiting", "Requests waiting to be scheduled.", s and s.num_waiting),
                   ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",

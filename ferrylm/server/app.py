@@ -15,14 +15,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from ferrylm.engine.async_engine import AsyncEngine, EngineDeadError
+from ferrylm.engine.client import EngineClient, EngineDeadError
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
-from ferrylm.observability.metrics import SequenceTimer
-from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.http import error_response
 from ferrylm.gateway.ops_auth import require_credential
+from ferrylm.observability.metrics import SequenceTimer
+from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.server import gatekeeping, inputs, prompts, serving
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.body import read_json_body
@@ -33,8 +33,15 @@ from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.middleware import RequestIdMiddleware, new_request_id
 from ferrylm.server.prompts import check_num_sequences
-from ferrylm.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                    CompletionResponse, ModelCard, ModelList, SamplingRequest)
+from ferrylm.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+)
 from ferrylm.server.serving import ResponseContext
 from ferrylm.server.state import ServerState
 
@@ -53,7 +60,7 @@ def _request_id(request: Request, prefix: str) -> str:
     return rid
 
 
-async def _start(state: ServerState, engine: AsyncEngine, ctx: ResponseContext, prompts: list[list[int]],
+async def _start(state: ServerState, engine: EngineClient, ctx: ResponseContext, prompts: list[list[int]],
                  params: SamplingParams, req: SamplingRequest, priority: int) -> Fanout:
     log.info("request", extra={"request_id": ctx.request_id, "model": ctx.model, "n": params.n,
                                "prompt_tokens": [len(p) for p in prompts], "max_tokens": params.max_tokens,
@@ -70,13 +77,13 @@ async def _start(state: ServerState, engine: AsyncEngine, ctx: ResponseContext, 
     return fanout
 
 
-async def _serve(request: Request, state: ServerState, engine: AsyncEngine, ctx: ResponseContext,
+async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx: ResponseContext,
                  prompts: list[list[int]], params: SamplingParams, req: SamplingRequest, streamer: Callable,
                  shaper: Callable) -> Response:
     """Gateway admission → engine → SSE or JSON; the gateway settles once the response ends."""
     started = time.monotonic()
     admission = await gatekeeping.admit(request, state, engine, ctx.request_id, ctx.model, prompts, params,
-                                        engine.engine.max_model_len)
+                                        engine.model_info.max_model_len)
     headers = admission.response_headers if admission is not None else {}
     try:
         fanout = await _start(state, engine, ctx, prompts, params, req,
@@ -110,7 +117,7 @@ async def chat_completions(request: Request) -> Response:
     req = parse_model(ChatCompletionRequest, await read_json_body(request, state.config.max_body_bytes))
     ctx_id = _request_id(request, "chatcmpl")
     model = state.resolve_model(req.model)
-    core = engine.engine
+    core = engine.model_info
     check_num_sequences(1, req.n or 1, state.config.max_sequences_per_request)
     params = inputs.chat_params(req, core.vocab_size)
     prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
@@ -128,7 +135,7 @@ async def completions(request: Request) -> Response:
     req = parse_model(CompletionRequest, await read_json_body(request, state.config.max_body_bytes))
     ctx_id = _request_id(request, "cmpl")
     model = state.resolve_model(req.model)
-    core = engine.engine
+    core = engine.model_info
     check_num_sequences(prompts.completion_prompt_count(req), req.n or 1, state.config.max_sequences_per_request)
     params = inputs.completion_params(req, core.vocab_size)
     prompt_ids = await prompts.completion_prompt_ids(core.tokenizer, req, core.vocab_size, core.max_model_len)
@@ -145,9 +152,9 @@ async def completions(request: Request) -> Response:
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     await gatekeeping.authenticate(request, state)  # 401 as on the other /v1 routes
-    core = state.engine.engine if state.engine is not None else None
-    max_len = core.max_model_len if core is not None else None
-    root = core.config.model if core is not None else None
+    info = state.engine.model_info if state.engine is not None else None
+    max_len = info.max_model_len if info is not None else None
+    root = info.model if info is not None else None
     return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_len)
                            for name in state.config.served_model_names])
 
@@ -183,11 +190,10 @@ async def load(request: Request) -> JSONResponse:
     engine = state.engine
     if engine is None or not state.ready:
         return JSONResponse({"status": "loading"}, status_code=503)
-    stats = engine.stats()
-    core = engine.engine
-    body = dataclasses.asdict(stats) | {
-        "kv_cache_usage": stats.kv_cache_usage, "healthy": engine.is_running and not state.drain.draining,
-        "block_size": core.config.cache.block_size, "max_model_len": core.max_model_len,
+    report = dataclasses.replace(engine.stats(), healthy=engine.is_running and not state.drain.draining)
+    info = engine.model_info
+    body = report.to_json() | {  # the report, then what the router learns about the replica itself
+        "block_size": info.block_size, "max_model_len": info.max_model_len,
         "models": list(state.config.served_model_names)}
     return JSONResponse(body)
 

@@ -4,10 +4,12 @@ Each engine request is pumped by its own task into a shared queue, so the respon
 in the order the engine produced them. Cancelling a pump closes its AsyncEngine iterator, which
 aborts the engine request and frees its KV blocks: `aclose()` and `abort()` both rely on that.
 
-The engine sends deltas (RequestOutputKind.DELTA); the fanout keeps each choice's text, tokens
-and logprobs once, so a consumer that falls behind holds only what is unsent. That backlog is
-bounded: past `max_backlog` queued outputs (a client reading too slowly) the queue is dropped,
-every sequence is aborted, and the consumer gets StreamBacklogExceeded.
+Child ids, child params (seeds) and each choice's accumulated output come from
+engine/parallel_sampling.py (one ParentRequest per prompt), as for the offline LLM. The engine
+sends deltas and each choice's text, tokens and logprobs are kept once, so a consumer that falls
+behind holds only what is unsent. That backlog is bounded: past `max_backlog` queued outputs (a
+client reading too slowly) the queue is dropped, every sequence is aborted, and the consumer gets
+StreamBacklogExceeded.
 """
 
 from __future__ import annotations
@@ -16,21 +18,13 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from ferrylm.engine.llm import child_params
-from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput, RequestOutputKind
+from ferrylm.engine.client import EngineClient
+from ferrylm.engine.parallel_sampling import ParentRequest
+from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.server.errors import APIError
-
-
-class EngineClient(Protocol):
-    """What the server needs of the engine (AsyncEngine implements it)."""
-
-    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-                          ) -> AsyncIterator[RequestOutput]: ...
 
 
 class SequenceObserver(Protocol):
@@ -63,32 +57,6 @@ class StreamBacklogExceeded(APIError):
                               "so the request was aborted.", code="stream_backlog_exceeded")
 
 
-@dataclass
-class _Choice:
-    """One sequence's output so far, accumulated from the engine's deltas."""
-
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    latest: RequestOutput | None = None  # the last delta (finish reason, metrics)
-
-    def add(self, out: RequestOutput) -> None:
-        c = out.outputs[0]
-        self.text_parts.append(c.text)
-        self.token_ids.extend(c.token_ids)
-        if c.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(c.logprobs)
-        self.latest = out
-
-    def cumulative(self) -> RequestOutput:
-        c = self.latest.outputs[0]
-        completion = dataclasses.replace(c, text="".join(self.text_parts), token_ids=list(self.token_ids),
-                                         logprobs=None if self.logprobs is None else list(self.logprobs))
-        return dataclasses.replace(self.latest, outputs=[completion])
-
-
 class Fanout:
     """Starts `len(prompts) * params.n` engine requests; choice i = prompt i // n, sample i % n."""
 
@@ -105,7 +73,9 @@ class Fanout:
         self._registry = registry
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
-        self._choices: dict[int, _Choice] = {}
+        # One parent per prompt; a lone prompt's children keep the plain `{request_id}-{i}` ids.
+        self._parents = [ParentRequest(request_id if len(prompts) == 1 else f"{request_id}-{p}", params)
+                         for p in range(len(prompts))]
         self._max_backlog = max_backlog
         self._overflowed = False
 
@@ -113,24 +83,27 @@ class Fanout:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
+    def _parent(self, index: int) -> tuple[ParentRequest, int]:
+        """Choice `index`'s parent (its prompt's) and its sample index within it."""
+        return self._parents[index // self.n], index % self.n
+
     async def start(self) -> None:
         """Submit every engine request; raises what the engine rejected (RequestRejected...), after
         aborting the siblings that were admitted."""
         if self._registry is not None:
             self._registry.add(self)
-        jobs = [(index, child_params(self._params, index % self.n), self.prompts[index // self.n])
-                for index in range(self.num_choices)]
+        jobs = [(*self._parent(index), self.prompts[index // self.n]) for index in range(self.num_choices)]
         streams = await asyncio.gather(
-            *(self._client.add_request(f"{self.request_id}-{i}", prompt, params, self._priority,
-                                       RequestOutputKind.DELTA)
-              for i, params, prompt in jobs), return_exceptions=True)
+            *(self._client.add_request(parent.child_id(j), prompt, parent.child_params(j), self._priority,
+                                       ParentRequest.output_kind)
+              for parent, j, prompt in jobs), return_exceptions=True)
         failed = next((s for s in streams if isinstance(s, BaseException)), None)
         if failed is not None:
             await asyncio.gather(*(s.aclose() for s in streams if not isinstance(s, BaseException)))
             if self._registry is not None:
                 self._registry.discard(self)
             raise failed
-        self._tasks = [asyncio.create_task(self._pump(i, stream)) for (i, _, _), stream in zip(jobs, streams)]
+        self._tasks = [asyncio.create_task(self._pump(i, stream)) for i, stream in enumerate(streams)]
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
         observer = self._observer_factory() if self._observer_factory else None
@@ -163,17 +136,17 @@ class Fanout:
             if item.error is not None:
                 raise item.error
             out = item.output if item.output is not None else self._aborted_output(item.index)
-            self._choices.setdefault(item.index, _Choice()).add(out)
+            parent, j = self._parent(item.index)
+            parent.add(j, out)
             yield item.index, out
             if out.finished:
                 remaining -= 1
 
     def final(self, index: int) -> RequestOutput:
         """Choice `index` as one cumulative output (what it had, if it never finished)."""
-        choice = self._choices.get(index)
-        if choice is None or choice.latest is None:
-            return self._aborted_output(index)
-        return choice.cumulative()
+        parent, j = self._parent(index)
+        out = parent.child_output(j)
+        return out if out is not None else self._aborted_output(index)
 
     def finals(self) -> list[RequestOutput]:
         return [self.final(i) for i in range(self.num_choices)]
@@ -181,17 +154,17 @@ class Fanout:
     @property
     def num_completion_tokens(self) -> int:
         """Tokens the consumer has seen across every choice (what the request is billed)."""
-        return sum(len(c.token_ids) for c in self._choices.values())
+        return sum(p.num_output_tokens for p in self._parents)
 
     def _aborted_output(self, index: int) -> RequestOutput:
         """The final delta of a sequence cancelled before it finished: nothing new, marked ABORT."""
-        choice = self._choices.get(index)
-        prev = choice.latest if choice is not None else None
-        completion = CompletionOutput(0, "", [], FinishReason.ABORT,
+        parent, j = self._parent(index)
+        prev = parent.child_output(j)
+        completion = CompletionOutput(j, "", [], FinishReason.ABORT,
                                       logprobs=[] if prev is not None and prev.outputs[0].logprobs is not None
                                       else None)
         if prev is None:
-            return RequestOutput(f"{self.request_id}-{index}", None, self.prompts[index // self.n], [completion], True)
+            return RequestOutput(parent.child_id(j), None, self.prompts[index // self.n], [completion], True)
         return dataclasses.replace(prev, outputs=[completion], finished=True)
 
     def _overflow(self) -> None:

@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from ferrylm.engine.async_engine import AsyncEngine
+from ferrylm.engine.client import EngineClient
 from ferrylm.gateway.policy import Admission
 from ferrylm.gateway.reservation import reserved_tokens
+from ferrylm.outputs import Usage
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.state import ServerState
@@ -28,7 +29,7 @@ async def authenticate(request: Request, state: ServerState) -> None:
         request.state.principal, client, getattr(request.state, "request_id", None))
 
 
-async def admit(request: Request, state: ServerState, engine: AsyncEngine, request_id: str, model: str,
+async def admit(request: Request, state: ServerState, engine: EngineClient, request_id: str, model: str,
                 prompts: list[list[int]], params: SamplingParams, max_model_len: int) -> Admission | None:
     """Auth, rate limits, quotas and load shedding; raises GatewayError (401/403/429/503) at once."""
     if state.gateway is None:
@@ -50,17 +51,17 @@ def priority(state: ServerState, admission: Admission | None, requested: int | N
 
 
 def usage(fanout: Fanout) -> tuple[int, int]:
-    """(prompt tokens, completion tokens) of what the fanout has produced so far."""
-    prompt = sum(len(p) for p in fanout.prompts) * fanout.n
-    completion = fanout.num_completion_tokens
-    return prompt, completion
+    """(prompt tokens, completion tokens) billed for what the fanout has produced so far: the
+    response's own usage (outputs.Usage.of), so both front doors charge alike."""
+    billed = Usage.of([len(p) for p in fanout.prompts], fanout.num_completion_tokens)
+    return billed.prompt_tokens, billed.completion_tokens
 
 
 async def finish(state: ServerState, admission: Admission | None, status: int, fanout: Fanout | None,
                  started: float) -> None:
     if admission is None:
         return
-    prompt, completion = usage(fanout) if fanout is not None else (admission.prompt_tokens, 0)
+    prompt, completion = usage(fanout) if fanout is not None else (0, 0)  # refused before any engine work
     await state.gateway.finish(admission, status, prompt, completion, time.monotonic() - started)
 
 

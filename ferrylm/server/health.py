@@ -6,7 +6,7 @@ import asyncio
 import itertools
 from typing import NamedTuple
 
-from ferrylm.engine.async_engine import AsyncEngine, EngineDeadError
+from ferrylm.engine.client import EngineClient, EngineDeadError
 from ferrylm.sampling_params import SamplingParams
 
 # Probes go ahead of every queued request: readiness asks whether the engine works, not how busy it is.
@@ -18,7 +18,7 @@ class Verdict(NamedTuple):
     reason: str
 
 
-def liveness(engine: AsyncEngine | None, heartbeat_timeout_s: float) -> Verdict:
+def liveness(engine: EngineClient | None, heartbeat_timeout_s: float) -> Verdict:
     """Alive while loading and while the loop's heartbeat is fresh; dead if the loop crashed or hangs."""
     if engine is None:
         return Verdict(True, "loading")
@@ -36,7 +36,7 @@ class ReadinessProbe:
     Concurrent /ready calls share one probe in flight, so a burst of checks costs one request.
     """
 
-    def __init__(self, engine: AsyncEngine, prompt_ids: list[int], timeout_s: float):
+    def __init__(self, engine: EngineClient, prompt_ids: list[int], timeout_s: float):
         self._engine = engine
         self._prompt_ids = prompt_ids
         self._timeout_s = timeout_s
@@ -50,9 +50,11 @@ class ReadinessProbe:
 
     async def _probe(self) -> Verdict:
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        stream = self._engine.generate(f"ready-{next(self._ids)}", self._prompt_ids, params, PROBE_PRIORITY)
+        stream = None
         try:
             async with asyncio.timeout(self._timeout_s):
+                stream = await self._engine.add_request(f"ready-{next(self._ids)}", self._prompt_ids, params,
+                                                        PROBE_PRIORITY)
                 async for out in stream:
                     if out.finished:
                         return Verdict(True, "ok")
@@ -62,4 +64,5 @@ class ReadinessProbe:
         except EngineDeadError as e:
             return Verdict(False, str(e))
         finally:
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()

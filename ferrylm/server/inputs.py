@@ -10,6 +10,7 @@ import logging
 
 from jinja2 import TemplateError
 
+from ferrylm.request_limits import ContextLengthExceeded, check_context_window, check_prompt_ids, check_token_ids
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.server.errors import APIError, invalid
 from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -101,30 +102,24 @@ def completion_prompt_ids(tokenizer: Tokenizer, request: CompletionRequest, voca
     if not prompts:
         raise invalid("The prompt must not be empty.", "prompt")
     ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    for tokens in ids:
-        if not tokens:
-            raise invalid("The prompt must not be empty.", "prompt")
-        bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise invalid(f"Token id {bad} in the prompt is outside the vocabulary (size {vocab_size}).", "prompt")
+    if not all(ids):
+        raise invalid("The prompt must not be empty.", "prompt")
+    try:
+        check_prompt_ids(ids, vocab_size)
+    except SamplingParamsError as e:
+        raise invalid(str(e), e.param) from None
     return ids
 
 
 def check_fits(prompt_ids: list[int], max_tokens: int | None, max_model_len: int, what: str) -> None:
-    """Reject a prompt (plus max_tokens) longer than the context window, with OpenAI's wording."""
-    n = len(prompt_ids)
-    if n >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                            f"{what} resulted in {n} tokens. Please reduce the length of the {what}.",
-                       what, "context_length_exceeded")
-    if max_tokens is not None and n + max_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {n + max_tokens} tokens ({n} in the {what}, {max_tokens} in the "
-                            "completion). Please reduce the length of the messages or completion.",
-                       "max_tokens", "context_length_exceeded")
+    """The context-window rule (request_limits, shared with the scheduler) as a 400."""
+    try:
+        check_context_window(len(prompt_ids), max_tokens, max_model_len, what)
+    except ContextLengthExceeded as e:
+        raise APIError(400, str(e), e.param, e.code) from None
 
 
-def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     if not raw:
         return None
     bias = {}
@@ -133,35 +128,32 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
             token_id = int(key)
         except ValueError:
             raise invalid(f"Invalid 'logit_bias': key {key!r} is not a token id.", "logit_bias") from None
-        if not 0 <= token_id < vocab_size:
-            raise invalid(f"Invalid 'logit_bias': token id {token_id} is outside the vocabulary "
-                          f"(size {vocab_size}).", "logit_bias")
         bias[token_id] = value
     return bias
 
 
 def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     vocab_size: int) -> SamplingParams:
-    """Build the engine's SamplingParams; a range error becomes a 400 naming the field."""
-    bad_stop_id = next((t for t in request.stop_token_ids or [] if not 0 <= t < vocab_size), None)
-    if bad_stop_id is not None:
-        raise invalid(f"Invalid 'stop_token_ids': {bad_stop_id} is outside the vocabulary.", "stop_token_ids")
+    """Build the engine's SamplingParams; a range error or a token id outside the vocabulary
+    (request_limits.check_token_ids, the engine's own check) becomes a 400 naming the field."""
     r = request
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=r.n or 1, temperature=1.0 if r.temperature is None else r.temperature,
             top_p=1.0 if r.top_p is None else r.top_p,
             top_k=r.top_k if r.top_k is not None and r.top_k > 0 else None,
             min_p=r.min_p or 0.0, presence_penalty=r.presence_penalty or 0.0,
             frequency_penalty=r.frequency_penalty or 0.0,
             repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
-            logit_bias=_logit_bias(r.logit_bias, vocab_size), seed=r.seed, max_tokens=max_tokens,
+            logit_bias=_logit_bias(r.logit_bias), seed=r.seed, max_tokens=max_tokens,
             min_tokens=r.min_tokens or 0, stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
             stop_token_ids=list(r.stop_token_ids or []),
             include_stop_str_in_output=bool(r.include_stop_str_in_output), ignore_eos=bool(r.ignore_eos),
             logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False)
+        check_token_ids(params, vocab_size)
     except SamplingParamsError as e:
-        raise invalid(f"Invalid '{e.param}': {e}.", e.param) from None
+        raise invalid(f"Invalid '{e.param}': {str(e).rstrip('.')}.", e.param) from None
+    return params
 
 
 def check_streaming_options(request: SamplingRequest) -> None:

@@ -14,14 +14,22 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from ferrylm.engine.async_engine import EngineDeadError
-from ferrylm.outputs import FinishReason, RequestOutput
+from ferrylm.engine.client import EngineDeadError
+from ferrylm.outputs import FinishReason, RequestOutput, Usage
 from ferrylm.server.errors import APIError
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.logprobs import chat_logprobs, completion_logprobs
-from ferrylm.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
-                                     ChatStreamChoice, CompletionChoice, CompletionResponse, DeltaMessage,
-                                     UsageInfo)
+from ferrylm.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
 from ferrylm.tokenizer import Tokenizer
 
 log = logging.getLogger("ferrylm.server")
@@ -48,10 +56,10 @@ def sse(event: BaseModel | dict) -> str:
 
 
 def usage(fanout: Fanout, finals: list[RequestOutput]) -> UsageInfo:
-    """Prompt tokens count once per prompt (not per sample), as OpenAI bills them."""
-    prompt = sum(len(p) for p in fanout.prompts)
-    completion = sum(len(out.outputs[0].token_ids) for out in finals)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    """Prompt tokens count once per prompt (not per sample), as OpenAI bills them (Usage.of)."""
+    u = Usage.of([len(p) for p in fanout.prompts], sum(len(out.outputs[0].token_ids) for out in finals))
+    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                     total_tokens=u.total_tokens)
 
 
 def _reason(out: RequestOutput) -> str | None:

@@ -11,7 +11,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ferrylm.engine.async_engine import AsyncEngine
-from ferrylm.engine.engine import Engine, EngineStats
+from ferrylm.engine.engine import Engine
+from ferrylm.load_report import LoadReport
 from ferrylm.observability.metrics import ServerMetrics
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.server.config import ServerConfig
@@ -43,7 +44,7 @@ class ServerState:
 
             self.gateway = Gateway(config.gateway)
 
-    def _stats(self) -> EngineStats | None:
+    def _stats(self) -> LoadReport | None:
         return self.engine.stats() if self.engine is not None else None
 
     @asynccontextmanager

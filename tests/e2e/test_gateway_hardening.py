@@ -156,8 +156,8 @@ def test_bodies_that_cannot_be_forwarded_are_400(fleet):
     replica, keys, _ = fleet
     gw = gateway(replica, keys, "--no-gateway")
     try:
-        bodies = ['{"model":"%s","messages":[{"role":"user","content":"\\ud800"}]}' % MODEL,
-                  '{"model":"%s","prompt":"hi","x":' % MODEL + "[" * 100_000 + "]" * 100_000 + "}"]
+        bodies = ['{"model":"' + MODEL + '","messages":[{"role":"user","content":"\\ud800"}]}',
+                  '{"model":"' + MODEL + '","prompt":"hi","x":' + "[" * 100_000 + "]" * 100_000 + "}"]
         for body, path in zip(bodies, ("/v1/chat/completions", "/v1/completions")):
             r = httpx.post(gw.url(path), content=body, headers={"content-type": "application/json"}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

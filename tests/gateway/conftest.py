@@ -17,6 +17,7 @@ from ferrylm.gateway import Gateway, GatewayConfig
 from ferrylm.gateway.store import Store
 from tests.gateway.helpers import FakeClock
 
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()

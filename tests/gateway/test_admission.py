@@ -3,24 +3,30 @@ priorities, 429/503 with Retry-After, drain-rate tracking. No engine anywhere.""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 
-from ferrylm.gateway.admission import AdmissionController, DrainRateTracker, EngineLoad
+from ferrylm.gateway.admission import AdmissionController, DrainRateTracker
 from ferrylm.gateway.config import AdmissionConfig, ConfigError
 from ferrylm.gateway.errors import GatewayError
+from ferrylm.load_report import LoadReport
 from tests.gateway.helpers import admit
 
-SATURATED = EngineLoad(num_waiting=100, num_running=64, num_waiting_prompt_tokens=50_000, kv_cache_usage=0.99)
-IDLE = EngineLoad(num_waiting=0, num_running=3, num_waiting_prompt_tokens=0, kv_cache_usage=0.2)
+
+def report(kv: float = 0.0, **fields) -> LoadReport:
+    """A LoadReport of zeros but for `fields`; `kv`: the KV cache usage (of 100 blocks)."""
+    return dataclasses.replace(LoadReport.empty(), kv_blocks_used=round(kv * 100), kv_blocks_total=100, **fields)
+
+
+SATURATED = report(num_waiting=100, num_running=64, num_waiting_prompt_tokens=50_000, kv=0.99)
+IDLE = report(num_waiting=0, num_running=3, num_waiting_prompt_tokens=0, kv=0.2)
 
 
 def stats(waiting=0, running=0, waiting_tokens=0, kv=0.0, prompt_total=0, generated_total=0, **extra):
-    """An EngineStats look-alike (the gateway reads it by attribute)."""
-    return SimpleNamespace(num_waiting=waiting, num_running=running, num_waiting_prompt_tokens=waiting_tokens,
-                           kv_cache_usage=kv, prompt_tokens_total=prompt_total,
-                           generation_tokens_total=generated_total, **extra)
+    """An engine's snapshot, as the server hands it to the gateway."""
+    return report(kv, num_waiting=waiting, num_running=running, num_waiting_prompt_tokens=waiting_tokens,
+                  prompt_tokens_total=prompt_total, generation_tokens_total=generated_total, **extra)
 
 
 @pytest.fixture
@@ -43,14 +49,14 @@ def test_unsaturated_admits_with_tier_priority(controller):
 
 
 def test_budgets_shed_lower_tiers_first(controller):
-    load = EngineLoad(num_waiting=10, num_running=8, num_waiting_prompt_tokens=3720, kv_cache_usage=0.5)
+    load = report(num_waiting=10, num_running=8, num_waiting_prompt_tokens=3720, kv=0.5)
     decisions = {t: controller.decide(load, t, 1000.0, 128) for t in ("premium", "standard", "batch")}
     assert decisions["premium"].admitted and decisions["standard"].admitted  # 5 s < 30 s, 10 s
     assert not decisions["batch"].admitted and decisions["batch"].retry_after_s == pytest.approx(3.0)
 
 
 def test_unhealthy_engine_is_503(controller):
-    d = controller.decide(IDLE._replace(healthy=False), "premium", 1000.0, 128)
+    d = controller.decide(dataclasses.replace(IDLE, healthy=False), "premium", 1000.0, 128)
     assert (d.admitted, d.status, d.retry_after_s) == (False, 503, 5.0)
 
 
@@ -63,10 +69,10 @@ def test_queue_length_cap_and_custom_tiers():
     config = AdmissionConfig(tier_priorities={"gold": 0, "free": 5}, tier_wait_budgets_s={"gold": 60, "free": 1},
                              default_tier="free", max_num_waiting=50)
     c = AdmissionController(config)
-    load = EngineLoad(num_waiting=50, num_running=1, num_waiting_prompt_tokens=10, kv_cache_usage=0.1)
+    load = report(num_waiting=50, num_running=1, num_waiting_prompt_tokens=10, kv=0.1)
     d = c.decide(load, "gold", 1000.0, 10)
     assert not d.admitted and d.reason == "queue_full" and d.retry_after_s >= 1
-    assert c.decide(load._replace(num_waiting=1), "gold", 1000.0, 10).priority == 0
+    assert c.decide(dataclasses.replace(load, num_waiting=1), "gold", 1000.0, 10).priority == 0
     with pytest.raises(ConfigError):
         AdmissionConfig(tier_priorities={"gold": 0}, tier_wait_budgets_s={"gold": 1}, default_tier="free")
 
@@ -75,11 +81,12 @@ def test_drain_rate_from_snapshot_counters():
     tracker = DrainRateTracker(half_life_s=5.0)
     t, total = 0.0, 0
     for _ in range(40):  # busy at 500 tokens/s
-        tracker.observe_snapshot(EngineLoad(5, 8, 100, 0.5, True, total), t)
+        busy = report(0.5, num_waiting=5, num_running=8, num_waiting_prompt_tokens=100, prompt_tokens_total=total)
+        tracker.observe_snapshot(busy, t)
         t, total = t + 1.0, total + 500
     assert tracker.rate == pytest.approx(500.0)
     for _ in range(10):  # idle: no tokens, but idle time must not read as a slow engine
-        tracker.observe_snapshot(EngineLoad(0, 0, 0, 0.0, True, total), t)
+        tracker.observe_snapshot(report(prompt_tokens_total=total), t)
         t += 1.0
     assert tracker.rate == pytest.approx(500.0)
     tracker.observe_completion(100, 50, True, t)  # ignored for the rate: counters are the source
@@ -123,8 +130,8 @@ def test_output_budgets_follow_the_max_tokens_of_the_queue(controller):
     """With the engine's output budgets the projection does not depend on what earlier requests
     looked like: after a run of 1-token requests (mean completion 1), eight queued 48-token
     requests still count as 8 x 48 x the used fraction."""
-    load = EngineLoad(num_waiting=8, num_running=2, num_waiting_prompt_tokens=800, kv_cache_usage=0.1,
-                      waiting_output_tokens=8 * 48, running_output_tokens=2 * 30, max_num_seqs=64)
+    load = report(num_waiting=8, num_running=2, num_waiting_prompt_tokens=800, kv=0.1,
+                  num_waiting_output_tokens=8 * 48, num_running_output_tokens=2 * 30, max_num_seqs=64)
     d = controller.decide(load, "standard", drain_rate=100.0, mean_completion=1.0, output_fraction=1.0)
     assert d.projected_wait_s == pytest.approx((800 + 384) / 100)
     half = controller.decide(load, "standard", drain_rate=100.0, mean_completion=1.0, output_fraction=0.5)
@@ -134,11 +141,11 @@ def test_output_budgets_follow_the_max_tokens_of_the_queue(controller):
 def test_a_full_batch_adds_the_running_work_that_frees_the_needed_slots(controller):
     """8 of 8 slots busy, 2 queued: the new request needs 3 slots to free, so 3/8 of the running
     requests' remaining output is ahead of it too."""
-    load = EngineLoad(num_waiting=2, num_running=8, num_waiting_prompt_tokens=100, kv_cache_usage=0.3,
-                      waiting_output_tokens=2 * 48, running_output_tokens=8 * 40, max_num_seqs=8)
+    load = report(num_waiting=2, num_running=8, num_waiting_prompt_tokens=100, kv=0.3,
+                  num_waiting_output_tokens=2 * 48, num_running_output_tokens=8 * 40, max_num_seqs=8)
     d = controller.decide(load, "standard", drain_rate=100.0, mean_completion=128, output_fraction=1.0)
     assert d.projected_wait_s == pytest.approx((100 + 96 + 320 * 3 / 8) / 100)
-    roomy = load._replace(max_num_seqs=64)
+    roomy = dataclasses.replace(load, max_num_seqs=64)
     assert controller.decide(roomy, "standard", 100.0, 128, 1.0).projected_wait_s == pytest.approx(196 / 100)
 
 
@@ -152,24 +159,16 @@ def test_tracker_learns_the_used_fraction_of_max_tokens():
     tracker.check_invariants()
 
 
-def test_engine_stats_carry_output_budgets():
-    """EngineLoad reads the new EngineStats fields by name (and tolerates their absence)."""
-    full = EngineLoad.from_stats(stats(2, 3, 40, num_waiting_output_tokens=96, num_running_output_tokens=50,
-                                       max_num_seqs=8))
-    assert (full.waiting_output_tokens, full.running_output_tokens, full.max_num_seqs) == (96, 50, 8)
-    assert EngineLoad.from_stats(stats(2, 3, 40)).waiting_output_tokens is None
-
-
 def test_ignore_eos_and_min_tokens_output_is_counted_in_full(controller):
     """A learned fraction of 5% (earlier requests stopped early) must not shrink output that is
     sure to be generated: ignore_eos requests produce all of max_tokens."""
-    load = EngineLoad(num_waiting=70, num_running=8, num_waiting_prompt_tokens=2100, kv_cache_usage=0.2,
-                      waiting_output_tokens=70 * 48, running_output_tokens=8 * 20, max_num_seqs=8,
-                      waiting_certain_output_tokens=70 * 48, running_certain_output_tokens=8 * 20)
+    load = report(num_waiting=70, num_running=8, num_waiting_prompt_tokens=2100, kv=0.2,
+                  num_waiting_output_tokens=70 * 48, num_running_output_tokens=8 * 20, max_num_seqs=8,
+                  num_waiting_certain_output_tokens=70 * 48, num_running_certain_output_tokens=8 * 20)
     d = controller.decide(load, "batch", drain_rate=1000.0, mean_completion=128, output_fraction=0.05)
     assert d.projected_wait_s == pytest.approx((2100 + 3360 + 160) / 1000)
     assert not d.admitted
-    unsure = load._replace(waiting_certain_output_tokens=0, running_certain_output_tokens=0)
+    unsure = dataclasses.replace(load, num_waiting_certain_output_tokens=0, num_running_certain_output_tokens=0)
     assert controller.decide(unsure, "batch", 1000.0, 128, 0.05).projected_wait_s == \
         pytest.approx((2100 + 0.05 * 3360 + 0.05 * 160) / 1000)
 
@@ -177,9 +176,9 @@ def test_ignore_eos_and_min_tokens_output_is_counted_in_full(controller):
 def test_output_drains_at_the_decode_rate(controller):
     """Prompt tokens prefill ~10x faster than output decodes: a queue of 48-token answers is
     projected at the decode pace, not at the mixed rate a prefill-heavy past would suggest."""
-    load = EngineLoad(num_waiting=20, num_running=8, num_waiting_prompt_tokens=600, kv_cache_usage=0.2,
-                      waiting_output_tokens=20 * 48, running_output_tokens=0, max_num_seqs=64,
-                      waiting_certain_output_tokens=20 * 48)
+    load = report(num_waiting=20, num_running=8, num_waiting_prompt_tokens=600, kv=0.2,
+                  num_waiting_output_tokens=20 * 48, num_running_output_tokens=0, max_num_seqs=64,
+                  num_waiting_certain_output_tokens=20 * 48)
     d = controller.decide(load, "batch", drain_rate=2000.0, mean_completion=128, output_fraction=1.0,
                           decode_rate=100.0)
     assert d.projected_wait_s == pytest.approx(600 / 2000 + 960 / 100) and not d.admitted
@@ -189,10 +188,11 @@ def test_output_drains_at_the_decode_rate(controller):
 
 def test_tracker_measures_the_decode_rate_from_counters():
     tracker = DrainRateTracker(half_life_s=1e-9)  # follow the last interval exactly
-    busy = EngineLoad(1, 8, 10, 0.2, tokens_total=0, generated_total=0)
+    busy = report(0.2, num_waiting=1, num_running=8, num_waiting_prompt_tokens=10)
     tracker.observe_snapshot(busy, 0.0)
-    tracker.observe_snapshot(busy._replace(tokens_total=1100, generated_total=100), 1.0)
+    tracker.observe_snapshot(dataclasses.replace(busy, prompt_tokens_total=1000, generation_tokens_total=100), 1.0)
     assert tracker.rate == pytest.approx(1100.0) and tracker.decode_rate == pytest.approx(100.0)
-    tracker.observe_snapshot(busy._replace(tokens_total=2100, generated_total=100), 2.0)  # prefill only
+    # prefill only
+    tracker.observe_snapshot(dataclasses.replace(busy, prompt_tokens_total=2000, generation_tokens_total=100), 2.0)
     assert tracker.decode_rate == pytest.approx(100.0)
     tracker.check_invariants()

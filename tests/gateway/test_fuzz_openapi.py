@@ -21,8 +21,11 @@ import uvicorn
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
 from ferrylm.engine.engine import Engine

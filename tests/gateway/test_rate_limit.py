@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrylm.gateway.errors import GatewayError
-from ferrylm.gateway.rate_limit import (MemoryBucketStorage, RateLimiter, RateScope, format_duration)
+from ferrylm.gateway.rate_limit import MemoryBucketStorage, RateLimiter, RateScope, format_duration
 from tests.conftest import examples
 from tests.gateway.helpers import FakeClock, admit
 

@@ -17,7 +17,8 @@ from ferrylm.gateway.routing.breaker import BreakerState
 from ferrylm.gateway.routing.config import GatewayServerConfig, GroupConfig, RouterConfig
 from ferrylm.gateway.routing.policies import RouteContext
 from ferrylm.gateway.routing.relay import StreamRelay
-from tests.gateway.test_routing_dispatch import GOOD, ROLE, TOKEN, served_by, sse, world
+from ferrylm.load_report import LoadReport
+from tests.gateway.test_routing_dispatch import ROLE, TOKEN, served_by, sse, world
 
 CLIENT_ERRORS = (400, 401, 403, 404, 413, 422, 429)
 SSE = {"content-type": "text/event-stream"}
@@ -167,7 +168,8 @@ def scripted_fleet(monkeypatch, chat_answer) -> TestClient:
         if request.url.path == "/ready":
             return httpx.Response(200, json={"status": "ok"})
         if request.url.path == "/load":
-            return httpx.Response(200, json={"block_size": 16, "max_model_len": 2048, "models": ["m"]})
+            body = LoadReport.empty().to_json() | {"block_size": 16, "max_model_len": 2048, "models": ["m"]}
+            return httpx.Response(200, json=body)
         return chat_answer(request)
 
     real = httpx.AsyncClient

@@ -5,6 +5,7 @@ The e2e tests run the same code against real `ferrylm serve` replicas."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -13,10 +14,11 @@ import pytest
 from ferrylm.gateway.routing.config import GroupConfig, RouterConfig
 from ferrylm.gateway.routing.dispatch import Dispatcher
 from ferrylm.gateway.routing.metrics import RouterMetrics
-from ferrylm.gateway.routing.poller import HealthPoller
 from ferrylm.gateway.routing.policies import RouteContext
+from ferrylm.gateway.routing.poller import HealthPoller
 from ferrylm.gateway.routing.registry import ReplicaRegistry
 from ferrylm.gateway.routing.relay import StreamRelay
+from ferrylm.load_report import LoadReport
 from ferrylm.server.errors import APIError
 
 
@@ -204,4 +206,22 @@ def test_poller_survives_unreadable_answers():
     answers["/load"] = httpx.Response(200, json=[1, 2])
     asyncio.run(run(2))
     assert not rep.ready
+    asyncio.run(client.aclose())
+
+
+def test_a_load_answer_with_a_renamed_field_is_unreadable():
+    """The poller reads /load strictly: an answer that lacks a field (renamed on one side) is a
+    failed poll, and the replica keeps its last readable load instead of reading as idle."""
+    good = dataclasses.replace(LoadReport.empty(), num_waiting=7).to_json() | {"block_size": 16}
+    answers = {"/ready": httpx.Response(200, json={"status": "ok"}), "/load": httpx.Response(200, json=good)}
+    registry, _, client = world(lambda request: answers[request.url.path], ("http://a",), poll_failures=3)
+    poller = HealthPoller(registry, registry.config, client)
+    rep = registry.replicas()[0]
+    asyncio.run(poller.poll_once())
+    assert rep.load.num_waiting == 7 and rep.poll_failures == 0 and rep.block_size == 16
+    renamed = {("waiting" if k == "num_waiting" else k): v for k, v in good.items()}
+    answers["/load"] = httpx.Response(200, json=renamed | {"block_size": 32})
+    asyncio.run(poller.poll_once())
+    assert rep.poll_failures == 1 and rep.ready, "one unreadable answer is one failed poll"
+    assert rep.load.num_waiting == 7 and rep.block_size == 16, "nothing read from the unreadable answer"
     asyncio.run(client.aclose())

@@ -16,6 +16,7 @@ from ferrylm.gateway.routing.app import build_gateway_app
 from ferrylm.gateway.routing.config import GatewayServerConfig, GroupConfig, RouterConfig
 from ferrylm.gateway.routing.inflight import InFlight
 from ferrylm.gateway.store import Store
+from ferrylm.load_report import LoadReport
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.errors import APIError
 
@@ -123,7 +124,7 @@ def test_the_poller_sends_the_upstream_key_to_load():
     def handler(request: httpx.Request) -> httpx.Response:
         seen[request.url.path] = request.headers.get("authorization")
         if request.url.path == "/load":
-            return httpx.Response(200, json={"max_model_len": 4096, "block_size": 16})
+            return httpx.Response(200, json=LoadReport.empty().to_json() | {"max_model_len": 4096, "block_size": 16})
         return httpx.Response(200, json={"status": "ok"})
 
     config = RouterConfig((GroupConfig("m", ("http://a",)),), upstream_api_key="sk-up")

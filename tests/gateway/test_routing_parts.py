@@ -3,6 +3,7 @@ config parsing and SSE parsing; invariants are checked after every operation."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,12 +14,19 @@ from ferrylm.config import ConfigError
 from ferrylm.engine.block_manager import block_hashes
 from ferrylm.gateway.routing.breaker import BreakerState, CircuitBreaker
 from ferrylm.gateway.routing.config import GroupConfig, RouterConfig, load_router_config
-from ferrylm.gateway.routing.policies import (HashRing, LatencyEWMA, LeastOutstandingTokens, PrefixAffinity,
-                                              RoundRobin, RouteContext)
+from ferrylm.gateway.routing.policies import (
+    HashRing,
+    LatencyEWMA,
+    LeastOutstandingTokens,
+    PrefixAffinity,
+    RoundRobin,
+    RouteContext,
+)
 from ferrylm.gateway.routing.registry import ReplicaRegistry
 from ferrylm.gateway.routing.replica import Replica
 from ferrylm.gateway.routing.retry_budget import RetryBudget
 from ferrylm.gateway.routing.sse import _parse
+from ferrylm.load_report import LoadReport
 from tests.conftest import examples
 
 
@@ -251,7 +259,6 @@ def test_standalone_admission_reads_the_fleet_load():
     from ferrylm.gateway.errors import GatewayError
     from ferrylm.gateway.routing.app import GatewayState
     from ferrylm.gateway.routing.config import GatewayServerConfig
-    from ferrylm.gateway.routing.replica import ReplicaLoad
 
     router = RouterConfig((GroupConfig("m", ("http://a", "http://b")),))
     state = GatewayState(GatewayServerConfig(router, GatewayConfig(state_db="sqlite://")))
@@ -264,18 +271,22 @@ def test_standalone_admission_reads_the_fleet_load():
         assert err.value.status == 503 and "Retry-After" in err.value.headers
         a, b = group.replicas
         a.ready = b.ready = True
-        a.load = ReplicaLoad(num_waiting=2, num_running=4, num_waiting_prompt_tokens=100, kv_cache_usage=0.5,
-                             prompt_tokens_total=1000, generation_tokens_total=500)
-        b.load = ReplicaLoad(num_waiting=1, num_running=4, num_waiting_prompt_tokens=50, kv_cache_usage=0.3,
-                             prompt_tokens_total=10, generation_tokens_total=20)
+        empty = LoadReport.empty()
+        a.load = dataclasses.replace(empty, num_waiting=2, num_running=4, num_waiting_prompt_tokens=100,
+                                     kv_blocks_used=50, kv_blocks_total=100, prompt_tokens_total=1000,
+                                     generation_tokens_total=500)
+        b.load = dataclasses.replace(empty, num_waiting=1, num_running=4, num_waiting_prompt_tokens=50,
+                                     kv_blocks_used=90, kv_blocks_total=300, prompt_tokens_total=10,
+                                     generation_tokens_total=20, healthy=False)
         load = state.group_load(group)
         assert (load.num_waiting, load.num_running, load.num_waiting_prompt_tokens) == (3, 8, 150)
-        assert load.healthy and load.tokens_total == 1530 and abs(load.kv_cache_usage - 0.4) < 1e-9
+        assert load.tokens_total == 1530 and load.kv_cache_usage == pytest.approx(140 / 400), "the fleet's blocks"
+        assert load.healthy, "the group can serve: its health, not what one replica said at the last poll"
         admitted = state.gateway.admit_sync({}, None, "m", 10, 10, load)
         state.gateway.finish_sync(admitted, 200, 10, 10)
         # A queue the fleet drains at ~100 tok/s with 100k tokens waiting: far over the 10 s budget.
         state.gateway.drain._rate = 100.0
-        deep = load._replace(num_waiting=500, num_waiting_prompt_tokens=100_000)
+        deep = dataclasses.replace(load, num_waiting=500, num_waiting_prompt_tokens=100_000)
         with pytest.raises(GatewayError) as err:
             state.gateway.admit_sync({}, None, "m", 10, 10, deep)
         assert err.value.status == 429 and int(err.value.headers["Retry-After"]) >= 1
@@ -296,7 +307,8 @@ def test_poller_tolerates_slow_probes_but_not_refusals_or_draining():
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/load":
-            return httpx.Response(200, json={"num_waiting": 3, "block_size": 16, "models": ["served-name"]})
+            report = dataclasses.replace(LoadReport.empty(), num_waiting=3)
+            return httpx.Response(200, json=report.to_json() | {"block_size": 16, "models": ["served-name"]})
         answer = script.pop(0)
         if isinstance(answer, Exception):
             raise answer

@@ -47,6 +47,7 @@ def run_case(heads, kv_heads, head_dim, block_size, query_lens, context_lens, pa
     """
     import torch
 
+    from ferrylm.model.attention.base import AttentionSpec
     from ferrylm.model.attention.torch_native import TorchNativeBackend
     from ferrylm.model.attention.triton import TritonBackend
 
@@ -62,8 +63,11 @@ def run_case(heads, kv_heads, head_dim, block_size, query_lens, context_lens, pa
     caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
               for _ in range(2)]
     ref = [c.clone() for c in caches]
-    got = TritonBackend(parts).forward(q, k, v, caches[0], caches[1], batch, head_dim ** -0.5)
-    want = TorchNativeBackend().forward(q, k, v, ref[0], ref[1], batch, head_dim ** -0.5)
+    spec = AttentionSpec(heads, kv_heads, head_dim, block_size, dtype, torch.device(device))
+    triton_backend, oracle = TritonBackend(spec, parts), TorchNativeBackend()
+    got = triton_backend.forward(q, k, v, caches[0], caches[1], batch.with_attn_metadata(triton_backend.prepare(batch)),
+                                 head_dim ** -0.5)
+    want = oracle.forward(q, k, v, ref[0], ref[1], batch.with_attn_metadata(oracle.prepare(batch)), head_dim ** -0.5)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1]), "KV cache differs"
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert err < tol, f"relative error {err:.2e}"

@@ -1,8 +1,8 @@
 """Random-weight Llama-family runners and engines, for the GPU tests and bench/gpu.py.
 
 No checkpoint or tokenizer files: weights are drawn (seeded) under checkpoint names and go through
-the real loader; detokenization uses a stand-in vocabulary. `build_runner` installs the Triton backend
-and decode CUDA graphs on a ModelRunner that does not do so itself yet (see cuda_graphs.py).
+the real loader; detokenization uses a stand-in vocabulary. `build_runner` asks the ModelRunner for a
+given attention backend, and captures decode CUDA graphs when the runner does not do so itself.
 """
 
 from __future__ import annotations
@@ -97,16 +97,18 @@ def build_runner(config: ModelConfig, *, device: str, dtype: torch.dtype, num_bl
                  weights_device: str | None = None, block_size: int = 16):
     """A ModelRunner on random weights with num_blocks usable KV blocks plus one spare (the graph pad block).
 
-    attention: "auto" (whatever the runner picks), "torch" (the oracle) or "triton".
+    attention: "auto" (whatever the runner picks), "torch" (the oracle), "cpu" or "triton" (see
+    ferrylm.model.attention.select_backend). cuda_graphs=False runs every step eagerly.
     """
     from ferrylm.model.runner import ModelRunner
 
-    kwargs = {"max_num_seqs": max_num_seqs} if "max_num_seqs" in inspect.signature(ModelRunner).parameters else {}
+    params = inspect.signature(ModelRunner).parameters
+    kwargs = {"max_num_seqs": max_num_seqs} if "max_num_seqs" in params else {}
+    if "enforce_eager" in params:
+        kwargs["enforce_eager"] = not cuda_graphs
     checkpoint = RandomCheckpoint(config, seed, weights_device or device)
     runner = ModelRunner(checkpoint, CacheConfig(block_size=block_size, num_blocks=num_blocks + 1), dtype,
-                         torch.device(device), max_model_len, **kwargs)
-    if attention != "auto":
-        set_backend(runner.model, _make_backend(attention))
+                         torch.device(device), max_model_len, attention=attention, **kwargs)
     if cuda_graphs and getattr(runner, "graphs", None) is None:
         from ferrylm.model.cuda_graphs import CudaGraphRunner
 
@@ -115,21 +117,6 @@ def build_runner(config: ModelConfig, *, device: str, dtype: torch.dtype, num_bl
         graphs.capture()
         runner.model = GraphedModel(runner.model, graphs)
     return runner
-
-
-def _make_backend(kind: str):
-    if kind == "torch":
-        from ferrylm.model.attention.torch_native import TorchNativeBackend
-
-        return TorchNativeBackend()
-    from ferrylm.model.attention.triton import TritonBackend
-
-    return TritonBackend()
-
-
-def set_backend(model, backend) -> None:
-    for layer in model.layers:
-        layer.self_attn.backend = backend
 
 
 class GraphedModel:

@@ -11,15 +11,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import sys
 sys.modules["triton"] = None  # as if it were not installed
+import torch
 import ferrylm.model.attention.triton as t
 import ferrylm.model.cuda_graphs
+from ferrylm.model.attention import AttentionSpec, select_backend
 assert not t.triton_available()
-try:
-    t.TritonBackend()
-except RuntimeError as e:
-    assert "triton" in str(e)
-else:
-    raise SystemExit("TritonBackend() should raise without triton")
+spec = AttentionSpec(4, 2, 16, 16, torch.float32, torch.device("cuda"))
+for make in (lambda: t.TritonBackend(spec), lambda: select_backend(spec, "triton")):
+    try:
+        make()
+    except RuntimeError as e:
+        assert "triton" in str(e)
+    else:
+        raise SystemExit("TritonBackend() should raise without triton")
+assert type(select_backend(spec)).__name__ == "TorchNativeBackend"  # auto on CUDA without triton
 print("ok")
 """
 

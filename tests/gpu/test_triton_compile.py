@@ -12,8 +12,12 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from ferrylm.model.attention.triton import TileConfig
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),

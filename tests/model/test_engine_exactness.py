@@ -170,7 +170,7 @@ def test_llm_n_logprobs_and_stop(llm_fp32):
 
 
 def test_stats_report_output_budgets_for_admission(llm_fp32, prompts16):
-    """EngineStats: output tokens the waiting and running requests may still generate, and the
+    """LoadReport: output tokens the waiting and running requests may still generate, and the
     batch size (admission control reads them)."""
     engine = engine_like(llm_fp32, max_num_seqs=2)
     for i, ids in enumerate(prompts16[:3]):

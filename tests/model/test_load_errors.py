@@ -48,9 +48,10 @@ def test_missing_safetensors_shard(tmp_path):
 
 
 def test_truncated_safetensors(tmp_path):
+    import torch
+
     from ferrylm.model.attention.torch_native import TorchNativeBackend
     from ferrylm.model.loader import load_model
-    import torch
 
     directory = make_tiny_model("llama", tmp_path / "m")
     path = directory / "model.safetensors"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.model.attention.torch_native import TorchNativeBackend
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.model_source import resolve_model
@@ -18,11 +17,13 @@ BLOCK = 16
 
 def _ours(directory, fast: bool = False):
     """Our model on `directory`: torch-native (the oracle) or the CPU fast path (C++ kernels)."""
-    from ferrylm.model.attention.cpu import cpu_fused_ops, make_attention_backend
+    from ferrylm.model.attention import AttentionSpec, select_backend
+    from ferrylm.model.attention.cpu import cpu_fused_ops
 
     checkpoint = Checkpoint(resolve_model(str(directory)))
     cpu = torch.device("cpu")
-    backend = make_attention_backend(cpu) if fast else TorchNativeBackend()
+    spec = AttentionSpec.for_model(checkpoint.config, BLOCK, torch.float32, cpu)
+    backend = select_backend(spec, "auto" if fast else "torch")
     model = load_model(checkpoint, torch.float32, cpu, backend, fused_ops=cpu_fused_ops(cpu) if fast else None)
     cfg = checkpoint.config
     caches = [(torch.zeros(64, BLOCK, cfg.num_kv_heads, cfg.head_dim), torch.zeros(64, BLOCK, cfg.num_kv_heads,

@@ -37,8 +37,10 @@ def test_kernel_matches_torch_native(dtype, tol, query_lens, context_lens):
     q, k, v = (torch.randn(T, n, D, generator=gen).to(dtype) for n in (H, HKV, HKV))
     caches = [torch.randn(NB, BS, HKV, D, generator=gen).to(dtype) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
-    got = CpuBackend(kernels).forward(q, k, v, caches[0], caches[1], batch, D ** -0.5)
-    want = TorchNativeBackend().forward(q, k, v, ref_caches[0], ref_caches[1], batch, D ** -0.5)
+    backend, oracle = CpuBackend(kernels), TorchNativeBackend()
+    got = backend.forward(q, k, v, caches[0], caches[1], batch.with_attn_metadata(backend.prepare(batch)), D ** -0.5)
+    want = oracle.forward(q, k, v, ref_caches[0], ref_caches[1], batch.with_attn_metadata(oracle.prepare(batch)),
+                          D ** -0.5)
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
     err = (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
     assert err < tol

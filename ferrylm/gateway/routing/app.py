@@ -5,6 +5,7 @@ proxy (SSE unbuffered), settle. Handlers stay thin; the parts live in this packa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,7 +15,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ferrylm.gateway.admission import EngineLoad
 from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.http import error_response
 from ferrylm.gateway.ops_auth import require_credential
@@ -24,12 +24,13 @@ from ferrylm.gateway.routing.config import GatewayServerConfig
 from ferrylm.gateway.routing.dispatch import Dispatcher
 from ferrylm.gateway.routing.inflight import InFlight
 from ferrylm.gateway.routing.metrics import RouterMetrics
-from ferrylm.gateway.routing.poller import HealthPoller
 from ferrylm.gateway.routing.policies import RouteContext
+from ferrylm.gateway.routing.poller import HealthPoller
 from ferrylm.gateway.routing.registry import ModelGroup, ReplicaRegistry
 from ferrylm.gateway.routing.relay import StreamRelay
-from ferrylm.gateway.routing.replica import ReplicaLoad
 from ferrylm.gateway.routing.request_body import read_request_body
+from ferrylm.load_report import LoadReport
+from ferrylm.outputs import Usage
 from ferrylm.server.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.server.drain import DrainController
 from ferrylm.server.errors import APIError, install_error_handlers, parse_model
@@ -94,13 +95,14 @@ class GatewayState:
                             extra={"model_group": group.name, "error": str(e)})
         self.tokenizers_loaded = True
 
-    def group_load(self, group: ModelGroup) -> EngineLoad | None:
-        """The group's replicas' engine stats summed (admission control reads it like one engine)."""
+    def group_load(self, group: ModelGroup) -> LoadReport | None:
+        """The group's ready replicas' load reports as one engine's (admission control reads it);
+        healthy while the group or a fallback can serve, whatever the replicas last said."""
         loads = [r.load for r in group.replicas if r.load is not None and r.ready]
         healthy = any(g.available() for g in self.registry.fallback_chain(group))
         if not loads:
-            return None if healthy else EngineLoad(0, 0, 0, 0.0, False)
-        return EngineLoad.from_stats(ReplicaLoad.combine(loads), healthy)
+            return None if healthy else LoadReport.empty(healthy=False)
+        return dataclasses.replace(LoadReport.combine(loads), healthy=healthy)
 
 
 def _state(request: Request) -> GatewayState:
@@ -141,7 +143,8 @@ async def _route_context(state: GatewayState, group: ModelGroup,
                                state.config.router.default_max_tokens)
     echo_chunks = n * len(info.prompt_lens) if getattr(req, "echo", False) else 0
     return RouteContext(reserved.prompt_tokens, reserved.output_tokens, info.hashes, info.key,
-                        block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks, n * len(info.prompt_lens))
+                        block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks, n * len(info.prompt_lens),
+                        Usage.of(info.prompt_lens, 0).prompt_tokens)
 
 
 class _Settlement:
@@ -151,10 +154,15 @@ class _Settlement:
         self._state, self._admission, self._ctx = state, admission, ctx
         self._started = time.monotonic()
 
+    def _unreported_prompt(self, status: int) -> int:
+        """Prompt tokens to bill when the replica reported no usage: none for a request it refused
+        (4xx, as `ferrylm serve` bills a refused request), each prompt once otherwise."""
+        return 0 if 400 <= status < 499 else self._ctx.billed_prompt_tokens
+
     async def __call__(self, status: int, prompt: int | None, completion: int) -> None:
         if self._admission is not None:
             await self._state.gateway.finish(self._admission, status,
-                                             prompt if prompt is not None else self._ctx.prompt_tokens,
+                                             prompt if prompt is not None else self._unreported_prompt(status),
                                              completion, time.monotonic() - self._started)
 
 

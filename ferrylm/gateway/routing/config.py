@@ -30,7 +30,8 @@ class GroupConfig:
         if not self.upstreams:
             raise ConfigError(f"model group {self.name!r} has no upstreams")
         if self.policy not in POLICIES:
-            raise ConfigError(f"model group {self.name!r}: unknown policy {self.policy!r} (one of {', '.join(POLICIES)})")
+            raise ConfigError(f"model group {self.name!r}: unknown policy {self.policy!r} "
+                              f"(one of {', '.join(POLICIES)})")
         for url in self.upstreams:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"upstream {url!r} must be an http:// or https:// URL")

@@ -24,6 +24,7 @@ class RouteContext(NamedTuple):
     block_size: int = 16  # tokens per block hash
     echo_chunks: int = 0  # completions with echo: the replica streams the prompt back first
     num_sequences: int = 1  # prompts × n: engine requests, each held against the tenant's concurrency
+    billed_prompt_tokens: int = 0  # each prompt once (outputs.Usage.of), if the replica reports no usage
 
 
 class Choice(NamedTuple):

@@ -15,7 +15,8 @@ import httpx
 from ferrylm.gateway.routing.breaker import BreakerState
 from ferrylm.gateway.routing.config import RouterConfig
 from ferrylm.gateway.routing.registry import ReplicaRegistry
-from ferrylm.gateway.routing.replica import Replica, ReplicaLoad
+from ferrylm.gateway.routing.replica import Replica
+from ferrylm.load_report import LoadReport
 
 log = logging.getLogger("ferrylm.gateway.routing")
 
@@ -88,7 +89,7 @@ class HealthPoller:
                 pass
         if load is not None and load.status_code == 200:
             body = load.json()
-            replica.load = ReplicaLoad.from_json(body)
+            replica.load = LoadReport.from_json(body)  # ValueError if a field is missing: unreadable
             replica.block_size = body.get("block_size") or replica.block_size
             replica.max_model_len = _positive_int(body.get("max_model_len")) or replica.max_model_len
             models = body.get("models") or []

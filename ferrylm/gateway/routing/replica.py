@@ -4,42 +4,9 @@ live traffic, and the load the router itself has put on it (outstanding tokens, 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 from ferrylm.gateway.routing.breaker import BreakerState, CircuitBreaker
-
-
-@dataclass
-class ReplicaLoad:
-    """The replica's last `/load` answer (engine stats), or None before the first poll."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    num_waiting_prompt_tokens: int = 0
-    kv_cache_usage: float = 0.0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_waiting_output_tokens: int = 0
-    num_running_output_tokens: int = 0
-    max_num_seqs: int = 0
-    num_waiting_certain_output_tokens: int = 0
-    num_running_certain_output_tokens: int = 0
-    healthy: bool = True
-
-    @classmethod
-    def combine(cls, loads: list["ReplicaLoad"]) -> "ReplicaLoad":
-        """A group's replicas as one engine: counts summed, KV usage averaged."""
-        total = cls(**{k: sum(getattr(x, k) for x in loads) for k, f in cls.__dataclass_fields__.items()
-                       if type(f.default) is int})
-        total.kv_cache_usage = sum(x.kv_cache_usage for x in loads) / len(loads)
-        return total
-
-    @classmethod
-    def from_json(cls, body: dict) -> "ReplicaLoad":
-        fields = cls.__dataclass_fields__
-        return cls(**{k: type(f.default)(body[k]) for k, f in fields.items() if body.get(k) is not None})
+from ferrylm.load_report import LoadReport
 
 
 class Ticket:
@@ -72,7 +39,7 @@ class Replica:
         self.ready = False  # from the poller: /ready answered 200
         self.ever_ready = False
         self.poll_failures = 0  # consecutive failed readiness polls
-        self.load: ReplicaLoad | None = None
+        self.load: LoadReport | None = None  # the replica's last readable /load answer
         self.served_model: str | None = None  # the upstream's own model name, from /load
         self.block_size: int | None = None
         self.max_model_len: int | None = None  # the replica's context window, from /load

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from ferrylm.model.attention.base import AttentionSpec, attn_metadata
 from ferrylm.model.forward_batch import ForwardBatch
 
 try:
@@ -275,7 +276,7 @@ def prefill_tiles(query_lens: list[int], block_q: int) -> list[tuple[int, int]]:
 
 
 class BatchPlan(NamedTuple):
-    """Launch metadata of a batch with prefill rows, built once from host lists (one H2D copy)."""
+    """Launch tensors of a batch with prefill rows, built once per step from host lists (one H2D copy)."""
 
     tiles: torch.Tensor  # int32 [2, num_tiles]: sequence, first query
     decode_rows: torch.Tensor  # int32 [num_decode]: sequences with one query
@@ -339,46 +340,50 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                               GATHER=plan is not None)
 
 
+class TritonMetadata(NamedTuple):
+    """What TritonBackend.prepare derives from a batch once per step; every layer launches from it."""
+
+    plan: BatchPlan | None  # None for a decode-only batch: its kernels launch from shapes alone
+    num_decode: int  # single-query rows
+    decode_partitions: int  # split-K factor of the decode kernel (0 without decode rows)
+
+
 class TritonBackend:
     """AttentionBackend for CUDA. Single-query rows take the split-K decode kernel, rows of longer
-    chunks the varlen prefill kernel. A decode-only batch launches from shapes alone (no metadata
-    tensors), so CudaGraphRunner can capture it."""
+    chunks the varlen prefill kernel. A decode-only batch's metadata holds no tensors and depends on
+    its shapes only, so CudaGraphRunner can capture it."""
 
     supports_cuda_graphs = True
 
-    def __init__(self, decode_partitions: int | None = None):
+    def __init__(self, spec: AttentionSpec, decode_partitions: int | None = None):
         """`decode_partitions` forces the split-K factor (tests); None picks it from the batch shape."""
         if triton is None:
             raise RuntimeError("TritonBackend needs the triton package (pip install triton)")
+        self.spec = spec
         self.forced_partitions = decode_partitions
-        self._plan: tuple[ForwardBatch, BatchPlan] | None = None  # built for the first layer, reused by the rest
-        self._configs: dict[tuple, TileConfig] = {}
+        self.cfg = TileConfig.for_device(spec.device, spec.head_dim, spec.dtype)
+        self.block_q = _block_q(spec.num_heads // spec.num_kv_heads, self.cfg)
+
+    def prepare(self, batch: ForwardBatch) -> TritonMetadata:
+        plan = None if batch.is_decode_only else BatchPlan.build(batch, self.block_q, batch.block_tables.device)
+        num_decode = batch.num_seqs if plan is None else plan.num_decode
+        parts = 0
+        if num_decode:
+            spec = self.spec
+            parts = self.forced_partitions or decode_partitions(
+                num_decode, spec.num_kv_heads, batch.block_tables.shape[1], spec.block_size, self.cfg.target_programs)
+        return TritonMetadata(plan, num_decode, parts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        meta = attn_metadata(batch, TritonMetadata)
         if not q.is_cuda and not _interpreting():
             raise RuntimeError("TritonBackend on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         q = _last_dim_contiguous(q)
-        cfg = self._config(q)
         out = torch.empty_like(q)
-        plan = None if batch.is_decode_only else self._batch_plan(batch, q.shape[1] // k_cache.shape[2], cfg, q.device)
-        if plan is not None:
-            paged_prefill(q, k_cache, v_cache, batch, plan, scale, cfg, out)
-        num_decode = batch.num_seqs if plan is None else plan.num_decode
-        if num_decode:
-            parts = self.forced_partitions or decode_partitions(
-                num_decode, k_cache.shape[2], batch.block_tables.shape[1], k_cache.shape[1], cfg.target_programs)
-            paged_decode(q, k_cache, v_cache, batch, scale, parts, cfg, out, plan)
+        if meta.plan is not None:
+            paged_prefill(q, k_cache, v_cache, batch, meta.plan, scale, self.cfg, out)
+        if meta.num_decode:
+            paged_decode(q, k_cache, v_cache, batch, scale, meta.decode_partitions, self.cfg, out, meta.plan)
         return out
-
-    def _config(self, q: torch.Tensor) -> TileConfig:
-        key = (q.device, q.shape[-1], q.dtype)
-        if key not in self._configs:
-            self._configs[key] = TileConfig.for_device(q.device, q.shape[-1], q.dtype)
-        return self._configs[key]
-
-    def _batch_plan(self, batch: ForwardBatch, group: int, cfg: TileConfig, device: torch.device) -> BatchPlan:
-        if self._plan is None or self._plan[0] is not batch:
-            self._plan = (batch, BatchPlan.build(batch, _block_q(group, cfg), device))
-        return self._plan[1]

@@ -1,0 +1,140 @@
+"""OutputProcessor: turns the tokens a step appended into RequestOutputs (detokenize, stop strings,
+logprobs, cumulative or delta shaping), so that Engine.step() only schedules, runs and updates.
+
+It keeps the per-request *output* state (detokenizer, text so far, unsent logprobs); the
+scheduler stays the only owner of a request's life: a stop string found in the text is reported
+through `finish_request` (the scheduler's), never by setting the request's status here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ferrylm.detokenizer import IncrementalDetokenizer
+from ferrylm.engine.request import Request
+from ferrylm.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, RequestOutputKind
+
+if TYPE_CHECKING:
+    from ferrylm.tokenizer import Tokenizer
+
+FinishRequest = Callable[[str, FinishReason, str | int | None], None]  # Scheduler.finish_request
+
+
+class TokenLogprobs(Protocol):
+    """What the runner reports per sampled token (model/runner.py's TokenLogprobs)."""
+
+    entries: dict[int, float]  # chosen token first, then the top alternatives
+
+
+@dataclass
+class _RequestState:
+    """One request's output so far: what a CUMULATIVE output repeats, or a DELTA one has not sent."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    output_kind: RequestOutputKind
+    logprobs: list[dict[int, float]] | None  # None: not asked for; DELTA keeps only the unsent ones
+    text: str = ""  # CUMULATIVE only
+    cumulative_logprob: float = 0.0
+
+    def add_logprobs(self, sampled: TokenLogprobs | None, token: int) -> None:
+        if self.logprobs is not None and sampled is not None:
+            self.logprobs.append(sampled.entries)
+            self.cumulative_logprob += sampled.entries[token]
+
+    def output(self, text_delta: str, token_delta: list[int]) -> RequestOutput:
+        """This step's RequestOutput; copies, since a consumer may read it on another thread."""
+        req = self.request
+        wants_logprobs = self.logprobs is not None
+        if self.output_kind is RequestOutputKind.DELTA:
+            text, token_ids, logprobs = text_delta, list(token_delta), self.logprobs
+            if wants_logprobs:
+                self.logprobs = []  # sent: no history kept that the consumer already has
+        else:
+            self.text += text_delta
+            text, token_ids = self.text, req.output_token_ids
+            logprobs = None if self.logprobs is None else list(self.logprobs)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=token_ids, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            logprobs=logprobs, cumulative_logprob=self.cumulative_logprob if wants_logprobs else None,
+            text_delta=text_delta, token_ids_delta=list(token_delta))
+        return RequestOutput(req.request_id, self.prompt, req.prompt_token_ids, [completion], req.is_finished,
+                             req.num_cached_tokens, dataclasses.replace(req.metrics))
+
+
+def _stamp(metrics: RequestMetrics, now: float, finished: bool, token: bool = True) -> None:
+    """Token times are taken when a token becomes output, which is what TTFT and ITL measure."""
+    if token:
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+    if finished and metrics.finished_time is None:
+        metrics.finished_time = now
+
+
+class OutputProcessor:
+    """Per-request output state, from add_request until the request's final output."""
+
+    def __init__(self, tokenizer: Tokenizer, finish_request: FinishRequest):
+        """`tokenizer.hf` is what the detokenizers decode with (read per request, so an engine
+        built without a tokenizer still validates requests); `finish_request`: the scheduler's,
+        called when a stop string ends a request."""
+        self._tokenizer = tokenizer
+        self._finish_request = finish_request
+        self._states: dict[str, _RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def add_request(self, request: Request, prompt: str | None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """Start tracking `request` (already queued in the scheduler); `prompt` is its text, if any."""
+        params = request.sampling_params
+        detokenizer = IncrementalDetokenizer(
+            self._tokenizer.hf, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        self._states[request.request_id] = _RequestState(
+            request, prompt, detokenizer, output_kind, [] if params.logprobs is not None else None)
+
+    def process(self, requests: Sequence[Request], logprobs: Mapping[str, TokenLogprobs],
+                now: float | None = None) -> list[RequestOutput]:
+        """One output per request that received a token this step (scheduler.update's list)."""
+        now = time.monotonic() if now is None else now
+        outputs = []
+        for req in requests:
+            state = self._states[req.request_id]
+            token = req.token_ids[-1]
+            state.add_logprobs(logprobs.get(req.request_id), token)
+            text = self._detokenize(state, token)
+            _stamp(req.metrics, now, req.is_finished)
+            outputs.append(state.output(text, [token]))
+            if req.is_finished:
+                del self._states[req.request_id]
+        return outputs
+
+    def _detokenize(self, state: _RequestState, token: int) -> str:
+        """The text `token` adds; a stop string it completes finishes the request (via the scheduler)."""
+        req = state.request
+        delta = state.detokenizer.add_tokens([token])
+        if delta.stop_reason is not None and not req.is_finished:
+            self._finish_request(req.request_id, FinishReason.STOP, delta.stop_reason)
+            return delta.text
+        if req.is_finished:
+            return delta.text + state.detokenizer.flush()
+        return delta.text
+
+    def abort(self, request_id: str, now: float | None = None) -> RequestOutput | None:
+        """Drop a request's state; its final output (nothing new) once the scheduler finished it."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        _stamp(state.request.metrics, time.monotonic() if now is None else now, True, token=False)
+        return state.output("", [])

@@ -1,0 +1,97 @@
+"""LoadReport: the one engine-load snapshot. The engine takes it, `/load` sends it, the router's
+poller reads it back and sums a group's, admission control decides from it, metrics export it.
+
+One type with one set of (vLLM-style) names, read strictly from JSON: a renamed or missing field
+is a ValueError at the poller, never a silent default that makes a busy replica look idle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadReport:
+    """An engine's (or a group of replicas') load at one moment."""
+
+    num_waiting: int
+    num_running: int
+    num_waiting_prompt_tokens: int  # prompt tokens the waiting requests still have to prefill
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int  # prompt tokens looked up (cumulative)
+    prefix_cache_hits: int  # prompt tokens found cached (cumulative)
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    # Output tokens the requests may still generate (max_tokens minus generated): admission control
+    # scales these by the fraction of max_tokens requests really use...
+    num_waiting_output_tokens: int
+    num_running_output_tokens: int
+    # ...except this part of them, which will surely be generated (ignore_eos, min_tokens).
+    num_waiting_certain_output_tokens: int
+    num_running_certain_output_tokens: int
+    max_num_seqs: int | None  # the batch size; None: not known
+    healthy: bool = True
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def tokens_total(self) -> int:
+        """Tokens processed so far (prompt + generated): its rate is the engine's drain rate."""
+        return self.prompt_tokens_total + self.generation_tokens_total
+
+    @property
+    def busy(self) -> bool:
+        return self.num_waiting > 0 or self.num_running > 0
+
+    @classmethod
+    def empty(cls, *, healthy: bool = True) -> LoadReport:
+        """No work and no capacity: what a group with no replica reporting looks like."""
+        counts = {f.name: 0 for f in dataclasses.fields(cls) if f.type == "int"}
+        return cls(**counts, max_num_seqs=None, healthy=healthy)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"kv_cache_usage": self.kv_cache_usage}
+
+    @classmethod
+    def from_json(cls, body: dict) -> LoadReport:
+        """Strict: every field present with its type (extra keys ignored), else ValueError."""
+        if not isinstance(body, dict):
+            raise ValueError(f"a load report is a JSON object, not {type(body).__name__}")
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in body:
+                raise ValueError(f"load report lacks {f.name!r}")
+            value = body[f.name]
+            if not _has_type(value, f.type):
+                raise ValueError(f"load report field {f.name!r} should be {f.type}, got {value!r}")
+            values[f.name] = value
+        return cls(**values)
+
+    @classmethod
+    def combine(cls, reports: list[LoadReport]) -> LoadReport:
+        """A group of replicas as one engine: counts and KV blocks summed (so kv_cache_usage is
+        the fleet's), the batch size summed when every replica reports one, healthy if any is."""
+        if not reports:
+            raise ValueError("no load reports to combine")
+        counts = {f.name: sum(getattr(r, f.name) for r in reports)
+                  for f in dataclasses.fields(cls) if f.type == "int"}
+        seqs = [r.max_num_seqs for r in reports]
+        return cls(**counts, max_num_seqs=None if None in seqs else sum(seqs),
+                   healthy=any(r.healthy for r in reports))
+
+
+def _has_type(value: object, annotation: str) -> bool:
+    """JSON's types against a field's annotation (a string, under postponed annotations)."""
+    if annotation == "bool":
+        return isinstance(value, bool)
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if annotation == "int":
+        return is_int
+    if annotation == "int | None":
+        return value is None or is_int
+    raise TypeError(f"no JSON rule for {annotation}")
