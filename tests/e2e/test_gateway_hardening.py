@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,15 +17,10 @@ import pytest
 
 from tests.conftest import requires_smollm2
 from tests.e2e.server_process import ServerProcess
+from tests.e2e.test_gateway import ferrylm
 
 pytestmark = requires_smollm2
 MODEL = "smollm2-135m"
-
-
-def ferrylm(*args: str, db: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "ferrylm.cli", *args, "--state-db", db], check=True,
-                         capture_output=True, text=True).stdout
-    return out.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

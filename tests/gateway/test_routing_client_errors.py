@@ -29,6 +29,19 @@ def error_body(status: int) -> dict:
                       "param": "temperature", "code": f"code_{status}"}}
 
 
+async def _relay_stream(registry, dispatcher, client) -> tuple[list[bytes], list[tuple]]:
+    """Dispatch one streamed request to group "m" and relay it whole: (chunks, settle calls)."""
+    d = await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), True)
+    settled = []
+
+    async def settle(*args):
+        settled.append(args)
+
+    out = [c async for c in StreamRelay(d, False, settle, dispatcher.metrics, dispatcher.record_failure)]
+    await client.aclose()
+    return out, settled
+
+
 @pytest.mark.parametrize("status", CLIENT_ERRORS)
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_4xx_is_the_answer_not_retried_not_counted(status, stream):
@@ -121,18 +134,7 @@ def test_an_in_band_client_error_before_a_token_is_relayed_not_retried():
 
     registry, dispatcher, client = world(handler)
 
-    async def run():
-        d = await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), True)
-        settled = []
-
-        async def settle(*args):
-            settled.append(args)
-
-        out = [c async for c in StreamRelay(d, False, settle, dispatcher.metrics, dispatcher.record_failure)]
-        await client.aclose()
-        return out, settled
-
-    out, settled = asyncio.run(run())
+    out, settled = asyncio.run(_relay_stream(registry, dispatcher, client))
     assert len(sent) == 1 and b"bad grammar" in out[1] and out[-1] == b"data: [DONE]\n\n"
     assert settled[0][0] == 400
     assert all(r.breaker.consecutive_failures == 0 and r.in_flight == 0 for r in registry.replicas())
@@ -146,18 +148,7 @@ def test_an_in_band_engine_error_after_the_first_token_counts_toward_the_breaker
 
     registry, dispatcher, client = world(handler, ("http://a",))
 
-    async def run():
-        d = await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), True)
-        settled = []
-
-        async def settle(*args):
-            settled.append(args)
-
-        out = [c async for c in StreamRelay(d, False, settle, dispatcher.metrics, dispatcher.record_failure)]
-        await client.aclose()
-        return out, settled
-
-    out, settled = asyncio.run(run())
+    out, settled = asyncio.run(_relay_stream(registry, dispatcher, client))
     assert b"engine died" in out[-2] and settled[0][0] == 503
     assert registry.replicas()[0].breaker.consecutive_failures == 1
 
