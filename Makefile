@@ -23,8 +23,10 @@ serve: setup
 generate: setup
 	$(VENV)/bin/ferrylm generate --model smollm2-135m --prompt "$(or $(PROMPT),Tell me about the sea.)"
 
-lint: setup  # ruff (config in pyproject.toml); mypy is configured there too but not yet clean on engine/
+lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/ and the leaf modules so far
 	$(VENV)/bin/ruff check ferrylm tests bench
+	$(VENV)/bin/mypy ferrylm/engine ferrylm/load_report.py ferrylm/request_limits.py ferrylm/outputs.py \
+	    ferrylm/sampling_params.py
 
 test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider

@@ -67,7 +67,7 @@ class LoadReport:
             if f.name not in body:
                 raise ValueError(f"load report lacks {f.name!r}")
             value = body[f.name]
-            if not _has_type(value, f.type):
+            if not _has_type(value, str(f.type)):
                 raise ValueError(f"load report field {f.name!r} should be {f.type}, got {value!r}")
             values[f.name] = value
         return cls(**values)
@@ -81,7 +81,8 @@ class LoadReport:
         counts = {f.name: sum(getattr(r, f.name) for r in reports)
                   for f in dataclasses.fields(cls) if f.type == "int"}
         seqs = [r.max_num_seqs for r in reports]
-        return cls(**counts, max_num_seqs=None if None in seqs else sum(seqs),
+        known = [s for s in seqs if s is not None]
+        return cls(**counts, max_num_seqs=sum(known) if len(known) == len(seqs) else None,
                    healthy=any(r.healthy for r in reports))
 
 

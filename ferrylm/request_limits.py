@@ -38,7 +38,7 @@ def check_context_window(num_prompt_tokens: int, max_tokens: int | None, max_mod
 
 
 def _first_outside(ids: Iterable[object], vocab_size: int) -> object | None:
-    return next((t for t in ids if not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size), None)
+    return next((t for t in ids if not isinstance(t, numbers.Integral) or not 0 <= int(t) < vocab_size), None)
 
 
 def check_prompt_ids(prompts: Iterable[list[int]], vocab_size: int, param: str = "prompt") -> None:

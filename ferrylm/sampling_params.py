@@ -47,7 +47,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.logit_bias, dict):
-            self.logit_bias = {_token_key(token): bias for token, bias in self.logit_bias.items()}
+            # keys stay unchecked objects until validate() (which names a bad one)
+            self.logit_bias = {_token_key(token): bias for token, bias in self.logit_bias.items()}  # type: ignore[misc]
         self.validate()
 
     @property

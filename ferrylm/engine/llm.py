@@ -54,9 +54,9 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations: list[list[dict]] = [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[assignment]
         tok = self.engine.tokenizer
-        inputs = [tok.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        inputs: list[str | list[int]] = [tok.apply_chat_template(c, add_generation_prompt) for c in conversations]
         params = sampling_params or SamplingParams()
         return self._run(inputs, [params] * len(inputs), use_tqdm, None)
 

@@ -42,6 +42,8 @@ class _ChildOutput:
         self.latest = delta
 
     def cumulative(self, index: int) -> RequestOutput:
+        if self.latest is None:
+            raise ValueError("no output yet")
         c = self.latest.outputs[0]
         completion = dataclasses.replace(c, index=index, text="".join(self.text_parts), token_ids=list(self.token_ids),
                                          logprobs=None if self.logprobs is None else list(self.logprobs))
@@ -94,8 +96,9 @@ class ParentRequest:
     def output(self) -> RequestOutput:
         """The parent's RequestOutput: outputs[i] is child i. Raises ValueError before every child
         has produced an output."""
-        outs = [self.child_output(i) for i in range(self.n)]
-        if any(o is None for o in outs):
+        maybe = [self.child_output(i) for i in range(self.n)]
+        outs = [o for o in maybe if o is not None]
+        if len(outs) < self.n:
             raise ValueError(f"request {self.request_id!r}: a child has produced no output yet")
         first = outs[0]
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, [o.outputs[0] for o in outs],

@@ -37,13 +37,12 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics = field(init=False)  # timestamps, from arrival_time on
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        if self.metrics is None:
-            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:
