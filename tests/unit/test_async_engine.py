@@ -36,9 +36,10 @@ class FakeEngine:
         self.requests[key] = [0, params.max_tokens]
 
     def abort(self, key):
-        if self.requests.pop(key, None) is None:
+        if key not in self.requests:
             return None
-        self.aborted.append(key)
+        self.aborted.append(key)  # before the pop: a test polling `requests` from another thread
+        del self.requests[key]  # must never see it gone but not yet recorded
         return RequestOutput(key, None, [], [CompletionOutput(0, "", [], FinishReason.ABORT)], True)
 
     def has_unfinished_requests(self):
