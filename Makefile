@@ -23,10 +23,10 @@ serve: setup
 generate: setup
 	$(VENV)/bin/ferrylm generate --model smollm2-135m --prompt "$(or $(PROMPT),Tell me about the sea.)"
 
-lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/ and the leaf modules so far
+lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, gateway/, router/, http/ and the leaves
 	$(VENV)/bin/ruff check ferrylm tests bench
-	$(VENV)/bin/mypy ferrylm/engine ferrylm/load_report.py ferrylm/request_limits.py ferrylm/outputs.py \
-	    ferrylm/sampling_params.py
+	$(VENV)/bin/mypy ferrylm/engine ferrylm/gateway ferrylm/router ferrylm/http ferrylm/load_report.py \
+	    ferrylm/request_limits.py ferrylm/outputs.py ferrylm/sampling_params.py
 
 test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider
@@ -39,3 +39,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV)
+
+.PHONY: bench-anchors
+bench-anchors: setup  # vs vLLM (CPU) and llama.cpp; the first run installs both under bench/.peers/ (~20 min)
+	$(PY) bench/anchors.py $(ANCHORS_ARGS)

@@ -25,10 +25,11 @@ import jwt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ferrylm.gateway import Gateway, GatewayConfig, GatewayError, JWTConfig  # noqa: E402
+from ferrylm.gateway import Gateway, GatewayConfig, JWTConfig  # noqa: E402
 from ferrylm.gateway.admission import AdmissionController  # noqa: E402
 from ferrylm.gateway.config import AdmissionConfig  # noqa: E402
 from ferrylm.gateway.store import Store  # noqa: E402
+from ferrylm.http.errors import APIError  # noqa: E402
 from ferrylm.load_report import LoadReport  # noqa: E402
 
 SECRET = "bench-secret-0123456789abcdef0123456789"
@@ -82,7 +83,7 @@ def shed(gw: Gateway, headers: dict) -> Callable[[], None]:
     def run() -> None:
         try:
             gw.admit_sync(headers, "127.0.0.1", "m", 100, 200, SATURATED)
-        except GatewayError:
+        except APIError:
             return
         raise RuntimeError("expected a shed")
     return run

@@ -95,7 +95,7 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
 
 
 def connection_limits_from_args(args: argparse.Namespace):
-    from ferrylm.server.config import ConnectionLimits
+    from ferrylm.http.config import ConnectionLimits
 
     return ConnectionLimits(timeout_keep_alive_s=args.timeout_keep_alive, timeout_headers_s=args.timeout_headers,
                             limit_concurrency=args.limit_concurrency)
@@ -185,8 +185,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
 def cmd_gateway(args: argparse.Namespace) -> int:
     """Serve the OpenAI API in front of remote FerryLM replicas."""
     from ferrylm.config import ConfigError
-    from ferrylm.gateway.routing.config import GatewayServerConfig, load_router_config
-    from ferrylm.gateway.routing.launcher import run_gateway
+    from ferrylm.router.config import GatewayServerConfig, load_router_config
+    from ferrylm.router.launcher import run_gateway
 
     try:
         router = load_router_config(args.router_config, args.upstream, default_model=args.model, policy=args.policy,

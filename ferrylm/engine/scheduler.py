@@ -12,7 +12,7 @@ from ferrylm.engine.block_manager import BlockManager
 from ferrylm.engine.request import Request, RequestStatus
 from ferrylm.outputs import FinishReason
 from ferrylm.request_limits import ContextLengthExceeded, check_context_window
-from ferrylm.sampling_params import SamplingParams
+from ferrylm.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 class RequestRejected(ValueError):
@@ -25,29 +25,6 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
-
-
-class NewRequestData(NamedTuple):
-    """Sent to the runner the first time a request is scheduled, so it can set up sampling state."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-
-
-class ScheduledRequest(NamedTuple):
-    request_id: str
-    token_ids: list[int]  # the tokens whose K/V this step computes
-    num_computed_tokens: int  # tokens already in the cache before this step
-    block_ids: list[int]
-    sample: bool  # True when this chunk reaches the end of the known tokens
-
-
-class SchedulerOutput(NamedTuple):
-    scheduled: list[ScheduledRequest]
-    new_requests: list[NewRequestData]
-    finished_ids: list[str]  # requests the runner can forget (finished since the last step)
-    num_batched_tokens: int
 
 
 class SchedulerStats(NamedTuple):

@@ -15,7 +15,8 @@ import threading
 from typing import NamedTuple
 
 from ferrylm.gateway.config import AdmissionConfig
-from ferrylm.gateway.errors import GatewayError, retry_headers
+from ferrylm.gateway.errors import retry_headers
+from ferrylm.http.errors import APIError
 from ferrylm.load_report import LoadReport
 
 
@@ -169,12 +170,13 @@ class AdmissionController:
         return AdmissionDecision(True, priority, wait)
 
 
-def shed_error(decision: AdmissionDecision, tier: str) -> GatewayError:
+def shed_error(decision: AdmissionDecision, tier: str) -> APIError:
     """The answer to a shed request: 503 when the engine is unhealthy, else 429; Retry-After."""
     headers = retry_headers(decision.retry_after_s)
     if decision.status == 503:
-        return GatewayError(503, "The engine is currently unavailable; please retry shortly.", "server_error",
-                            "engine_unavailable", headers)
+        return APIError(503, "The engine is currently unavailable; please retry shortly.", code="engine_unavailable",
+                        type_="server_error", headers=headers)
     wait = f"{decision.projected_wait_s:.1f}s" if decision.projected_wait_s is not None else "unknown"
-    return GatewayError(429, f"The server is overloaded (projected queue wait {wait} exceeds the '{tier}' tier's "
-                             "budget); please retry later.", "server_error", "server_overloaded", headers)
+    return APIError(429, f"The server is overloaded (projected queue wait {wait} exceeds the '{tier}' tier's "
+                         "budget); please retry later.", code="server_overloaded", type_="server_error",
+                    headers=headers)

@@ -84,7 +84,7 @@ class Authenticator:
     def _from_api_key(self, token: str) -> Principal:
         parsed = parse_key(token)
         found = self._store.lookup_key(parsed.key_id) if parsed else None
-        if found is None or not secret_matches(parsed.secret, found[1]):
+        if parsed is None or found is None or not secret_matches(parsed.secret, found[1]):
             raise AuthError()
         key, _, tenant = found
         if key.revoked_at is not None:
@@ -94,6 +94,7 @@ class Authenticator:
         return principal_for(tenant, key.key_id, "api_key", key.rpm, key.tpm)
 
     def _from_jwt(self, token: str) -> Principal:
+        assert self._jwt is not None  # authenticate() routes here only with a verifier
         claims = self._jwt.verify(token)
         name = claims.get(self._tenant_claim)
         if not isinstance(name, str) or not name:

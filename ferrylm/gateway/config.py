@@ -51,7 +51,7 @@ class JWTConfig:
             raise ConfigError("leeway_s must be >= 0")
 
     def _default_algorithms(self) -> tuple[str, ...]:
-        algorithms = ("HS256",) if self.secret else ()
+        algorithms: tuple[str, ...] = ("HS256",) if self.secret else ()
         if self.public_key_pem or self.jwks_file:
             algorithms += ("RS256", "ES256")
         return algorithms

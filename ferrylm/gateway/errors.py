@@ -1,44 +1,27 @@
-"""Gateway refusals as exceptions carrying an OpenAI-style body and the headers to send with it."""
+"""The gateway's refusals, as the one OpenAI error type (http.errors.APIError) with the headers
+that go with them: 401 and 403 for credentials, 429 with Retry-After for limits."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 
-
-class GatewayError(Exception):
-    """A request the gateway will not pass to the engine: status, OpenAI error fields, headers."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, headers: Mapping[str, str] | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-        self.headers: dict[str, str] = dict(headers or {})
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.status}, {self.message!r}, code={self.code!r})"
+from ferrylm.http.errors import APIError
 
 
-class AuthError(GatewayError):
+class AuthError(APIError):
     """401: no credentials, or credentials that do not check out. The message never says which
     part failed beyond what helps an honest client (expired, revoked)."""
 
     def __init__(self, message: str = "Incorrect API key provided.", code: str = "invalid_api_key"):
-        super().__init__(401, message, "invalid_request_error", code, {"WWW-Authenticate": "Bearer"})
+        super().__init__(401, message, code=code, type_="invalid_request_error")
 
 
-class PermissionDenied(GatewayError):
+class PermissionDenied(APIError):
     """403: the caller is known but may not use this model."""
 
     def __init__(self, message: str, code: str = "model_not_allowed"):
-        super().__init__(403, message, "permission_error", code)
+        super().__init__(403, message, code=code, type_="permission_error")
 
 
 def retry_headers(retry_after_s: float | None) -> dict[str, str]:
@@ -50,6 +33,6 @@ def retry_headers(retry_after_s: float | None) -> dict[str, str]:
 
 
 def too_many_requests(message: str, code: str, type_: str, retry_after_s: float | None,
-                      headers: Mapping[str, str] | None = None) -> GatewayError:
+                      headers: Mapping[str, str] | None = None) -> APIError:
     """A 429 with Retry-After (when waiting helps) plus any rate-limit headers."""
-    return GatewayError(429, message, type_, code, {**(headers or {}), **retry_headers(retry_after_s)})
+    return APIError(429, message, code=code, type_=type_, headers={**(headers or {}), **retry_headers(retry_after_s)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from typing import Any
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,7 +95,7 @@ class JWTVerifier:
         required = ["exp", c.tenant_claim] + (["iss"] if c.issuer else []) + (["aud"] if c.audience else [])
         # Signature, iss, aud and presence are PyJWT's; the time claims are checked below against
         # the gateway's clock (the same one key expiry and rate limits use).
-        options = {"require": required, "verify_signature": True, "verify_exp": False, "verify_nbf": False,
+        options: Any = {"require": required, "verify_signature": True, "verify_exp": False, "verify_nbf": False,
                    "verify_iat": False}
         try:
             claims = jwt.decode(token, key, algorithms=[alg], audience=c.audience, issuer=c.issuer, options=options)

@@ -6,7 +6,7 @@ request and `finish` once the request has ended (however it ended):
     await gateway.finish(admission, status, prompt_tokens, completion_tokens, latency)
 
 `admit` runs auth → model permission → admission control → concurrency → daily quota → rate
-limits, and raises GatewayError (render it with gateway.http.error_response) or returns an
+limits, and raises http.errors.APIError (its `response()` renders it) or returns an
 Admission holding everything `finish` must give back. Blocking work (database, Redis) runs in a
 worker thread so the event loop never waits on it.
 """
@@ -28,7 +28,7 @@ from ferrylm.gateway.admission import AdmissionController, DrainRateTracker, she
 from ferrylm.gateway.audit import AuditLog, AuditRecord
 from ferrylm.gateway.auth import Authenticator, Principal, check_model
 from ferrylm.gateway.config import AdmissionConfig, GatewayConfig, JWTConfig
-from ferrylm.gateway.errors import AuthError, GatewayError, too_many_requests
+from ferrylm.gateway.errors import AuthError, too_many_requests
 from ferrylm.gateway.quotas import ConcurrencyLimiter, DailyQuota
 from ferrylm.gateway.rate_limit import (
     BucketStorage,
@@ -39,9 +39,10 @@ from ferrylm.gateway.rate_limit import (
     Reservation,
 )
 from ferrylm.gateway.store import Store
+from ferrylm.http.errors import APIError
 from ferrylm.load_report import LoadReport
 
-__all__ = ["Admission", "AdmissionConfig", "Gateway", "GatewayConfig", "GatewayError", "JWTConfig"]
+__all__ = ["Admission", "AdmissionConfig", "Gateway", "GatewayConfig", "JWTConfig"]
 
 log = logging.getLogger("ferrylm.gateway")
 
@@ -88,12 +89,13 @@ def _scopes(principal: Principal) -> list[RateScope]:
     return scopes
 
 
-def _rate_limited(result: RateLimitResult, principal: Principal, tokens: int) -> GatewayError:
+def _rate_limited(result: RateLimitResult, principal: Principal, tokens: int) -> APIError:
     headers = result.headers()
-    if result.too_large:
-        return GatewayError(429, f"Request too large for tenant '{principal.tenant}': it may need {tokens} tokens "
-                                 f"(prompt + max_tokens) but the limit is {result.tokens.limit} tokens per minute. "
-                                 "Reduce max_tokens or the prompt.", "tokens", "rate_limit_exceeded", headers)
+    if result.too_large and result.tokens is not None:
+        return APIError(429, f"Request too large for tenant '{principal.tenant}': it may need {tokens} tokens "
+                             f"(prompt + max_tokens) but the limit is {result.tokens.limit} tokens per minute. "
+                             "Reduce max_tokens or the prompt.", code="rate_limit_exceeded", type_="tokens",
+                        headers=headers)
     kind = result.limited_by or "requests"
     return too_many_requests(f"Rate limit reached for tenant '{principal.tenant}' on {kind} per minute. "
                              f"Please try again in {result.retry_after_s:.2f}s.", "rate_limit_exceeded", kind,
@@ -154,7 +156,7 @@ class Gateway:
         scopes = [scope._replace(tpm=None) for scope in _scopes(principal)]
         try:
             return self._take(principal, scopes, 0, True)
-        except GatewayError as err:
+        except APIError as err:
             if self.config.audit_rejections:
                 self._audit(AuditRecord(started, request_id or f"req-{uuid.uuid4().hex}", principal.tenant,
                                         principal.key_id, None, 0, 0, err.status, self._clock() - started,
@@ -162,11 +164,11 @@ class Gateway:
             raise
 
     async def admit(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
-                    prompt_tokens: int, max_tokens: int, stats_snapshot: object | None, *,
+                    prompt_tokens: int, max_tokens: int, stats_snapshot: LoadReport | None, *,
                     request_id: str | None = None, engine_healthy: bool = True,
                     principal: Principal | None = None, num_sequences: int = 1,
                     request_charge: RateLimitResult | None = None) -> Admission:
-        """Admit a request or raise GatewayError. If the caller is cancelled meanwhile, an
+        """Admit a request or raise APIError. If the caller is cancelled meanwhile, an
         admission that still went through is finished (released) in the background. `principal`:
         the result of `authenticate`, if the caller already ran it; `num_sequences`: the engine
         requests it fans out to (prompts × n), each counted against the tenant's concurrency;
@@ -206,7 +208,7 @@ class Gateway:
     # the synchronous core (also usable from a worker thread directly)
 
     def admit_sync(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
-                   prompt_tokens: int, max_tokens: int, stats_snapshot: object | None, *,
+                   prompt_tokens: int, max_tokens: int, stats_snapshot: LoadReport | None, *,
                    request_id: str | None = None, engine_healthy: bool = True,
                    principal: Principal | None = None, num_sequences: int = 1,
                    request_charge: RateLimitResult | None = None) -> Admission:
@@ -217,7 +219,7 @@ class Gateway:
             return self._admit_principal(principal, client_addr, model, prompt_tokens, max_tokens,
                                          stats_snapshot, request_id, engine_healthy, started, num_sequences,
                                          request_charge)
-        except GatewayError as err:
+        except APIError as err:
             if self.config.audit_rejections:
                 self._audit(AuditRecord(started, request_id, principal.tenant, principal.key_id, model, prompt_tokens,
                                         0, err.status, self._clock() - started, client_addr, err.code))
@@ -241,7 +243,7 @@ class Gateway:
         return load
 
     def _admit_principal(self, principal: Principal, client_addr: str | None, model: str, prompt_tokens: int,
-                         max_tokens: int, stats_snapshot: object | None, request_id: str, engine_healthy: bool,
+                         max_tokens: int, stats_snapshot: LoadReport | None, request_id: str, engine_healthy: bool,
                          started: float, num_sequences: int = 1,
                          request_charge: RateLimitResult | None = None) -> Admission:
         check_model(principal, model)
@@ -274,8 +276,8 @@ class Gateway:
             result = self.limiter.reserve(scopes, tokens, requests)
         except Exception:
             log.exception("rate limiter storage failed")
-            raise GatewayError(503, "Rate limiting is unavailable; please retry shortly.", "server_error",
-                               "rate_limiter_unavailable", {"Retry-After": "1"}) from None
+            raise APIError(503, "Rate limiting is unavailable; please retry shortly.", code="rate_limiter_unavailable",
+                           type_="server_error", headers={"Retry-After": "1"}) from None
         if not result.allowed:
             raise _rate_limited(result, principal, tokens)
         return result

@@ -207,12 +207,12 @@ class RateLimiter:
                 return RateLimitResult(False, tokens=BucketView(int(spec.capacity), 0, 0.0),
                                        limited_by="tokens", too_large=True)
         taken = self.storage.take(specs, amounts)
-        requests, token_view = _view(specs, taken.levels, "requests"), _view(specs, taken.levels, "tokens")
+        request_view, token_view = _view(specs, taken.levels, "requests"), _view(specs, taken.levels, "tokens")
         if taken.allowed:
             token_specs = tuple(s for s in specs if s.kind == "tokens")
-            return RateLimitResult(True, requests, token_view, reservation=Reservation(token_specs, tokens))
+            return RateLimitResult(True, request_view, token_view, reservation=Reservation(token_specs, tokens))
         worst = max(range(len(specs)), key=lambda i: taken.waits[i])
-        return RateLimitResult(False, requests, token_view, retry_after_s=taken.waits[worst],
+        return RateLimitResult(False, request_view, token_view, retry_after_s=taken.waits[worst],
                                limited_by=specs[worst].kind)
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> None:

@@ -109,7 +109,7 @@ class RedisBucketStorage:
             values = self._client.hmget(key, "level", "ts", "cap")
             if None in values:  # expired between the scan and the read
                 continue
-            level, ts, cap = (float(v) for v in values)
+            level, ts, cap = (float(v) for v in values if v is not None)
             if not (math.isfinite(level) and math.isfinite(ts)) or level > cap + 1e-6:
                 raise AssertionError(f"bucket {key!r}: level {level} cap {cap} ts {ts}")
 

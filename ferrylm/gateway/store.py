@@ -154,7 +154,9 @@ class Store:
                 conn.execute(insert(tenants).values(**values))
         except IntegrityError:
             raise StoreError(f"tenant {name!r} already exists") from None
-        return self.get_tenant(name)
+        created = self.get_tenant(name)
+        assert created is not None  # just inserted; tenants are never deleted
+        return created
 
     def get_tenant(self, name: str) -> Tenant | None:
         with self.engine.connect() as conn:
@@ -177,7 +179,9 @@ class Store:
             conn.execute(insert(api_keys).values(
                 id=key_id, tenant=tenant, secret_sha256=hash_secret(secret), created_at=self._clock(),
                 expires_at=expires_at, rpm=_positive_or_none("rpm", rpm), tpm=_positive_or_none("tpm", tpm)))
-        return self.get_key(key_id)[0], full
+        created = self.get_key(key_id)
+        assert created is not None  # just inserted
+        return created[0], full
 
     def get_key(self, key_id: str) -> tuple[ApiKey, str] | None:
         """The key's facts and stored secret hash (for Authenticator only)."""

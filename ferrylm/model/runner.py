@@ -8,7 +8,6 @@ from typing import NamedTuple
 import torch
 
 from ferrylm.config import CacheConfig, ModelConfig
-from ferrylm.engine.scheduler import SchedulerOutput
 from ferrylm.model.attention import AttentionSpec, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
 from ferrylm.model.cuda_graphs import CudaGraphRunner
@@ -16,6 +15,7 @@ from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
+from ferrylm.scheduler_output import SchedulerOutput
 
 
 class TokenLogprobs(NamedTuple):

@@ -18,22 +18,13 @@ from pydantic import BaseModel
 from ferrylm.engine.client import EngineClient, EngineDeadError
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
-from ferrylm.gateway.errors import GatewayError
-from ferrylm.gateway.http import error_response
 from ferrylm.gateway.ops_auth import require_credential
-from ferrylm.observability.metrics import SequenceTimer
-from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import gatekeeping, inputs, prompts, serving
-from ferrylm.server.auth import require_api_key
-from ferrylm.server.body import read_json_body
-from ferrylm.server.config import ServerConfig
-from ferrylm.server.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
-from ferrylm.server.errors import APIError, install_error_handlers, invalid, parse_model
-from ferrylm.server.fanout import Fanout
-from ferrylm.server.health import liveness
-from ferrylm.server.middleware import RequestIdMiddleware, new_request_id
-from ferrylm.server.prompts import check_num_sequences
-from ferrylm.server.protocol import (
+from ferrylm.http.body import read_json_body
+from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
+from ferrylm.http.error_handlers import install_error_handlers
+from ferrylm.http.errors import APIError, invalid, parse_model
+from ferrylm.http.middleware import RequestIdMiddleware, new_request_id
+from ferrylm.http.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -42,6 +33,14 @@ from ferrylm.server.protocol import (
     ModelList,
     SamplingRequest,
 )
+from ferrylm.observability.metrics import SequenceTimer
+from ferrylm.sampling_params import SamplingParams, SamplingParamsError
+from ferrylm.server import gatekeeping, inputs, prompts, serving
+from ferrylm.server.auth import require_api_key
+from ferrylm.server.config import ServerConfig
+from ferrylm.server.fanout import Fanout
+from ferrylm.server.health import liveness
+from ferrylm.server.prompts import check_num_sequences
 from ferrylm.server.serving import ResponseContext
 from ferrylm.server.state import ServerState
 
@@ -255,7 +254,6 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> Fas
     app.state.ferry = state
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
-    app.add_exception_handler(GatewayError, lambda _request, e: error_response(e))
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=error_responses(401))
     generation_errors = error_responses(400, 403, 404, 413, 429, 503)
     v1.add_api_route("/chat/completions", chat_completions, methods=["POST"],

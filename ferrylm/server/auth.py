@@ -6,7 +6,7 @@ import secrets
 
 from fastapi import Request
 
-from ferrylm.server.errors import APIError
+from ferrylm.http.errors import APIError
 
 
 async def require_api_key(request: Request) -> None:

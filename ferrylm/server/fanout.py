@@ -22,9 +22,9 @@ from typing import NamedTuple, Protocol
 
 from ferrylm.engine.client import EngineClient
 from ferrylm.engine.parallel_sampling import ParentRequest
+from ferrylm.http.errors import APIError
 from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput
 from ferrylm.sampling_params import SamplingParams
-from ferrylm.server.errors import APIError
 
 
 class SequenceObserver(Protocol):

@@ -31,7 +31,7 @@ async def authenticate(request: Request, state: ServerState) -> None:
 
 async def admit(request: Request, state: ServerState, engine: EngineClient, request_id: str, model: str,
                 prompts: list[list[int]], params: SamplingParams, max_model_len: int) -> Admission | None:
-    """Auth, rate limits, quotas and load shedding; raises GatewayError (401/403/429/503) at once."""
+    """Auth, rate limits, quotas and load shedding; raises APIError (401/403/429/503) at once."""
     if state.gateway is None:
         return None
     reserved = reserved_tokens([len(p) for p in prompts], params.n, params.max_tokens, max_model_len)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ferrylm.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from ferrylm.http.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from ferrylm.tokenizer import Tokenizer
 
 

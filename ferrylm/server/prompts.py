@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import math
 
-from ferrylm.server import inputs
-from ferrylm.server.errors import APIError, invalid
-from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest
+from ferrylm.http import prompt_ids
+from ferrylm.http.errors import APIError, invalid
+from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest
 from ferrylm.tokenizer import Tokenizer
 
 
@@ -39,7 +39,7 @@ def _check_length_bound(num_chars: int, tokenizer: Tokenizer, max_model_len: int
 
 async def chat_prompt_ids(tokenizer: Tokenizer, request: ChatCompletionRequest, max_model_len: int) -> list[int]:
     _check_length_bound(sum(len(m.text()) for m in request.messages), tokenizer, max_model_len, "messages")
-    return await asyncio.to_thread(inputs.chat_prompt_ids, tokenizer, request)
+    return await asyncio.to_thread(prompt_ids.chat_prompt_ids, tokenizer, request)
 
 
 async def completion_prompt_ids(tokenizer: Tokenizer, request: CompletionRequest, vocab_size: int,
@@ -47,4 +47,4 @@ async def completion_prompt_ids(tokenizer: Tokenizer, request: CompletionRequest
     texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
     longest = max((len(t) for t in texts if isinstance(t, str)), default=0)
     _check_length_bound(longest, tokenizer, max_model_len, "prompt")
-    return await asyncio.to_thread(inputs.completion_prompt_ids, tokenizer, request, vocab_size)
+    return await asyncio.to_thread(prompt_ids.completion_prompt_ids, tokenizer, request, vocab_size)

@@ -15,11 +15,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from ferrylm.engine.client import EngineDeadError
-from ferrylm.outputs import FinishReason, RequestOutput, Usage
-from ferrylm.server.errors import APIError
-from ferrylm.server.fanout import Fanout
-from ferrylm.server.logprobs import chat_logprobs, completion_logprobs
-from ferrylm.server.protocol import (
+from ferrylm.http.errors import APIError
+from ferrylm.http.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -30,6 +27,9 @@ from ferrylm.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from ferrylm.outputs import FinishReason, RequestOutput, Usage
+from ferrylm.server.fanout import Fanout
+from ferrylm.server.logprobs import chat_logprobs, completion_logprobs
 from ferrylm.tokenizer import Tokenizer
 
 log = logging.getLogger("ferrylm.server")

@@ -12,12 +12,12 @@ from fastapi import FastAPI
 
 from ferrylm.engine.async_engine import AsyncEngine
 from ferrylm.engine.engine import Engine
+from ferrylm.http.drain import DrainController
+from ferrylm.http.errors import APIError
 from ferrylm.load_report import LoadReport
 from ferrylm.observability.metrics import ServerMetrics
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.server.config import ServerConfig
-from ferrylm.server.drain import DrainController
-from ferrylm.server.errors import APIError
 from ferrylm.server.health import ReadinessProbe
 
 log = logging.getLogger("ferrylm.server")

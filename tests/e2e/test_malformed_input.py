@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ferrylm.server.body import MAX_JSON_DEPTH
+from ferrylm.http.body import MAX_JSON_DEPTH
 from tests.conftest import requires_smollm2
 from tests.e2e.test_bad_input import assert_still_serving, check_error
 

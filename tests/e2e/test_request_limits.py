@@ -86,16 +86,17 @@ def test_each_sequence_counts_against_concurrency(limited_server):
 
 def test_tokenizing_runs_off_the_event_loop(monkeypatch):
     """The template and tokenizer run in a worker thread, never on the event loop's thread."""
-    from ferrylm.server import inputs, prompts
-    from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest
+    from ferrylm.http import prompt_ids
+    from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest
+    from ferrylm.server import prompts
 
     threads: list[int] = []
 
     class FakeTokenizer:
         max_token_chars = 8
 
-    monkeypatch.setattr(inputs, "chat_prompt_ids", lambda *a: threads.append(threading.get_ident()) or [1])
-    monkeypatch.setattr(inputs, "completion_prompt_ids", lambda *a: threads.append(threading.get_ident()) or [[1]])
+    monkeypatch.setattr(prompt_ids, "chat_prompt_ids", lambda *a: threads.append(threading.get_ident()) or [1])
+    monkeypatch.setattr(prompt_ids, "completion_prompt_ids", lambda *a: threads.append(threading.get_ident()) or [[1]])
 
     async def run() -> int:
         chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ferrylm.gateway import Gateway, GatewayConfig, GatewayError
+from ferrylm.gateway import Gateway, GatewayConfig
+from ferrylm.http.errors import APIError
 
 FROZEN_NOW = 1_750_000_000.0
 
@@ -19,7 +20,7 @@ def admit_many(state_db: str, redis_url: str, prefix: str, key: str, attempts: i
         try:
             gateway.admit_sync(headers, "10.0.0.1", "m", 10, 50, None)
             admitted += 1
-        except GatewayError as e:
+        except APIError as e:
             statuses.append(e.status)
     results.put((admitted, statuses))
     gateway.close()

@@ -9,7 +9,7 @@ import pytest
 
 from ferrylm.gateway.admission import AdmissionController, DrainRateTracker
 from ferrylm.gateway.config import AdmissionConfig, ConfigError
-from ferrylm.gateway.errors import GatewayError
+from ferrylm.http.errors import APIError
 from ferrylm.load_report import LoadReport
 from tests.gateway.helpers import admit
 
@@ -113,7 +113,7 @@ def test_gateway_sheds_before_any_engine_work(make_gateway, store, clock):
     admit(gw, key, stats=stats(waiting=1, running=4, waiting_tokens=10, prompt_total=1000))
     assert gw.drain.rate == pytest.approx(1000.0)
     engine_calls = []  # a real server would call the engine only after admit returns
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         admit(gw, key, stats=stats(waiting=200, running=64, waiting_tokens=80_000, kv=0.99, prompt_total=1000))
         engine_calls.append("add_request")
     err = info.value
@@ -121,7 +121,7 @@ def test_gateway_sheds_before_any_engine_work(make_gateway, store, clock):
     assert engine_calls == []
     rejected = gw.audit.recent(1)[0]
     assert (rejected.status, rejected.error_code, rejected.tenant) == (429, "server_overloaded", "acme")
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         gw.admit_sync({"Authorization": f"Bearer {key}"}, None, "m", 1, 1, stats(), engine_healthy=False)
     assert info.value.status == 503 and info.value.headers["Retry-After"] == "5"
 

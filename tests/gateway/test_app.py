@@ -1,5 +1,5 @@
 """The integration seam through a tiny in-process FastAPI app: admit before the (fake) engine,
-finish after it, GatewayError rendered OpenAI-style, rate-limit headers on success, audit rows."""
+finish after it, APIError rendered OpenAI-style, rate-limit headers on success, audit rows."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ferrylm.gateway import Gateway, GatewayError
-from ferrylm.gateway.http import error_response
+from ferrylm.gateway import Gateway
+from ferrylm.http.error_handlers import install_error_handlers
 
 
 def build_app(gateway: Gateway, engine_calls: list[str], stats=None) -> FastAPI:
     """What the real server will do, with a fake completion instead of the engine."""
     app = FastAPI()
-    app.add_exception_handler(GatewayError, lambda _req, exc: error_response(exc))
+    install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:

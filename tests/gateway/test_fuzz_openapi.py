@@ -31,9 +31,9 @@ from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
 from ferrylm.engine.engine import Engine
 from ferrylm.gateway import GatewayConfig
 from ferrylm.gateway.store import Store
+from ferrylm.http.uvicorn_server import bind_socket
 from ferrylm.server.app import build_app
 from ferrylm.server.config import ServerConfig
-from ferrylm.server.launcher import bind_socket
 from tests.conftest import examples
 from tests.model.tiny_models import COMMON, make_tiny_model
 

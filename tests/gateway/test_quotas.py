@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrylm.gateway import Gateway, GatewayConfig
-from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.quotas import seconds_to_utc_midnight, utc_day
 from ferrylm.gateway.store import Store
+from ferrylm.http.errors import APIError
 from tests.conftest import examples
 from tests.gateway.helpers import FakeClock, admit
 
@@ -20,7 +20,7 @@ def test_daily_quota(make_gateway, store, clock):
     key = store.create_key("acme")[1]
     gw = make_gateway()
     held = [admit(gw, key, prompt_tokens=10, max_tokens=300) for _ in range(3)]  # 930 held
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         admit(gw, key, prompt_tokens=10, max_tokens=300)
     err = info.value
     assert (err.status, err.code, err.type) == (429, "insufficient_quota", "insufficient_quota")
@@ -30,7 +30,7 @@ def test_daily_quota(make_gateway, store, clock):
     gw.check_invariants()
     assert gw.daily.used_today("acme") == 300
     admit(gw, key, prompt_tokens=10, max_tokens=600)  # 300 used + 610 held <= 1000
-    with pytest.raises(GatewayError):
+    with pytest.raises(APIError):
         admit(gw, key, prompt_tokens=10, max_tokens=90)
     clock.advance(seconds_to_utc_midnight(clock()) + 1)  # a new UTC day
     admit(gw, key, prompt_tokens=10, max_tokens=300)
@@ -43,7 +43,7 @@ def test_daily_usage_is_shared_through_the_database(make_gateway, store, clock):
     a = admit(first, key, prompt_tokens=100, max_tokens=300)
     first.finish_sync(a, 200, 100, 300)
     assert store.usage("acme", utc_day(clock())) == 400
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         admit(second, key, prompt_tokens=50, max_tokens=100)
     assert info.value.code == "insufficient_quota"
 
@@ -54,7 +54,7 @@ def test_concurrency_cap(make_gateway, store):
     key, other = store.create_key("acme")[1], store.create_key("other")[1]
     gw = make_gateway()
     a, _ = admit(gw, key), admit(gw, key)
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         admit(gw, key)
     assert (info.value.status, info.value.code) == (429, "concurrency_limit_exceeded")
     assert info.value.headers["Retry-After"] == "1"
@@ -71,7 +71,7 @@ def test_refused_requests_release_what_they_took(make_gateway, store):
     key = store.create_key("acme")[1]
     gw = make_gateway()
     admit(gw, key, prompt_tokens=0, max_tokens=400)
-    with pytest.raises(GatewayError) as info:  # rate limit refuses after concurrency and quota took theirs
+    with pytest.raises(APIError) as info:  # rate limit refuses after concurrency and quota took theirs
         admit(gw, key, prompt_tokens=0, max_tokens=400)
     assert info.value.code == "rate_limit_exceeded"
     assert gw.concurrency.active("acme") == 1
@@ -94,7 +94,7 @@ def test_random_admit_finish_sequences_keep_invariants(ops):
         if op == "admit":
             try:
                 open_.append(admit(gw, key, prompt_tokens=n // 5, max_tokens=n))
-            except GatewayError as e:
+            except APIError as e:
                 assert e.status == 429
         elif op == "finish" and open_:
             a = open_.pop(n % len(open_))

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.rate_limit import MemoryBucketStorage, RateLimiter, RateScope, format_duration
+from ferrylm.http.errors import APIError
 from tests.conftest import examples
 from tests.gateway.helpers import FakeClock, admit
 
@@ -24,7 +24,7 @@ def test_429_when_reservations_exceed_the_bucket_then_refill(make_gateway, acme_
     admitted = [admit(gw, acme_key, prompt_tokens=10, max_tokens=300) for _ in range(3)]  # 930 of 1000
     assert admitted[-1].response_headers["x-ratelimit-remaining-tokens"] == "70"
     assert admitted[-1].response_headers["x-ratelimit-limit-tokens"] == "1000"
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         admit(gw, acme_key, prompt_tokens=10, max_tokens=300)
     err = info.value
     assert err.status == 429 and err.code == "rate_limit_exceeded" and err.type == "tokens"
@@ -33,7 +33,7 @@ def test_429_when_reservations_exceed_the_bucket_then_refill(make_gateway, acme_
     assert err.headers["x-ratelimit-remaining-tokens"] == "70"
     assert err.headers["x-ratelimit-reset-tokens"] == "55.8s"
     clock.advance(14.3)
-    with pytest.raises(GatewayError):
+    with pytest.raises(APIError):
         admit(gw, acme_key, prompt_tokens=10, max_tokens=300)
     clock.advance(0.1)
     admit(gw, acme_key, prompt_tokens=10, max_tokens=300)
@@ -42,7 +42,7 @@ def test_429_when_reservations_exceed_the_bucket_then_refill(make_gateway, acme_
 def test_unused_reservation_is_refunded(make_gateway, acme_key):
     gw = make_gateway()
     first = [admit(gw, acme_key, prompt_tokens=10, max_tokens=300) for _ in range(3)]
-    with pytest.raises(GatewayError):
+    with pytest.raises(APIError):
         admit(gw, acme_key, prompt_tokens=10, max_tokens=300)
     gw.finish_sync(first[0], 200, prompt_tokens=10, completion_tokens=20)  # used 30 of 310: 280 back
     gw.check_invariants()
@@ -56,7 +56,7 @@ def test_requests_per_minute(make_gateway, store, clock):
     gw = make_gateway()
     admit(gw, key)
     admit(gw, key)
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         admit(gw, key)
     assert info.value.type == "requests" and info.value.headers["Retry-After"] == "30"
     assert info.value.headers["x-ratelimit-limit-requests"] == "2"
@@ -66,7 +66,7 @@ def test_requests_per_minute(make_gateway, store, clock):
 
 def test_request_larger_than_the_bucket_never_fits(make_gateway, acme_key):
     gw = make_gateway()
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         admit(gw, acme_key, prompt_tokens=100, max_tokens=2000)
     assert info.value.status == 429 and "Retry-After" not in info.value.headers
     assert "Reduce max_tokens" in info.value.message
@@ -79,10 +79,10 @@ def test_per_key_limits_under_the_tenant(make_gateway, store):
     gw = make_gateway()
     a = admit(gw, narrow, prompt_tokens=0, max_tokens=300)
     assert a.response_headers["x-ratelimit-remaining-tokens"] == "100"  # the key's bucket binds
-    with pytest.raises(GatewayError):
+    with pytest.raises(APIError):
         admit(gw, narrow, prompt_tokens=0, max_tokens=300)
     admit(gw, wide, prompt_tokens=0, max_tokens=600)  # tenant: 300 + 600 of 1000
-    with pytest.raises(GatewayError):
+    with pytest.raises(APIError):
         admit(gw, wide, prompt_tokens=0, max_tokens=200)
 
 

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from ferrylm.gateway.errors import GatewayError
 from ferrylm.gateway.rate_limit import RateLimiter, RateScope
+from ferrylm.http.errors import APIError
 from tests.gateway.helpers import FakeClock, admit
 from tests.gateway.redis_workers import admit_many
 
@@ -62,7 +62,7 @@ def test_gateway_with_redis_limits(make_gateway, store, redis_url):
     gw = make_gateway(redis_url=redis_url, redis_key_prefix=f"test:{uuid.uuid4().hex}:")
     for _ in range(3):
         admit(gw, key, prompt_tokens=10, max_tokens=300)
-    with pytest.raises(GatewayError) as info:
+    with pytest.raises(APIError) as info:
         admit(gw, key, prompt_tokens=10, max_tokens=300)
     assert info.value.status == 429 and info.value.headers["Retry-After"] == "15"
 

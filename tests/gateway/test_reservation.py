@@ -33,9 +33,9 @@ def test_unknown_window_uses_the_fallback_or_refuses():
 def test_the_standalone_gateway_reserves_the_replicas_window():
     """The router path: the context window comes from the replicas' /load (the largest of them),
     the router default only until one has reported."""
-    from ferrylm.gateway.routing.app import GatewayState, _route_context
-    from ferrylm.gateway.routing.config import GatewayServerConfig, GroupConfig, RouterConfig
-    from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest
+    from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest
+    from ferrylm.router.app import GatewayState, _route_context
+    from ferrylm.router.config import GatewayServerConfig, GroupConfig, RouterConfig
 
     state = GatewayState(GatewayServerConfig(RouterConfig((GroupConfig("m", ("http://a", "http://b")),))))
     group = state.registry.resolve("m")

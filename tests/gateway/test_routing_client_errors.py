@@ -12,12 +12,12 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from ferrylm.gateway.routing import app as gateway_app
-from ferrylm.gateway.routing.breaker import BreakerState
-from ferrylm.gateway.routing.config import GatewayServerConfig, GroupConfig, RouterConfig
-from ferrylm.gateway.routing.policies import RouteContext
-from ferrylm.gateway.routing.relay import StreamRelay
 from ferrylm.load_report import LoadReport
+from ferrylm.router import app as gateway_app
+from ferrylm.router.breaker import BreakerState
+from ferrylm.router.config import GatewayServerConfig, GroupConfig, RouterConfig
+from ferrylm.router.policies import RouteContext
+from ferrylm.router.relay import StreamRelay
 from tests.gateway.test_routing_dispatch import ROLE, TOKEN, served_by, sse, world
 
 CLIENT_ERRORS = (400, 401, 403, 404, 413, 422, 429)

@@ -11,15 +11,15 @@ import json
 import httpx
 import pytest
 
-from ferrylm.gateway.routing.config import GroupConfig, RouterConfig
-from ferrylm.gateway.routing.dispatch import Dispatcher
-from ferrylm.gateway.routing.metrics import RouterMetrics
-from ferrylm.gateway.routing.policies import RouteContext
-from ferrylm.gateway.routing.poller import HealthPoller
-from ferrylm.gateway.routing.registry import ReplicaRegistry
-from ferrylm.gateway.routing.relay import StreamRelay
+from ferrylm.http.errors import APIError
 from ferrylm.load_report import LoadReport
-from ferrylm.server.errors import APIError
+from ferrylm.router.config import GroupConfig, RouterConfig
+from ferrylm.router.dispatch import Dispatcher
+from ferrylm.router.metrics import RouterMetrics
+from ferrylm.router.policies import RouteContext
+from ferrylm.router.poller import HealthPoller
+from ferrylm.router.registry import ReplicaRegistry
+from ferrylm.router.relay import StreamRelay
 
 
 def sse(*payloads) -> bytes:

@@ -12,13 +12,13 @@ from starlette.testclient import TestClient
 
 from ferrylm.config import ConfigError
 from ferrylm.gateway import GatewayConfig
-from ferrylm.gateway.routing.app import build_gateway_app
-from ferrylm.gateway.routing.config import GatewayServerConfig, GroupConfig, RouterConfig
-from ferrylm.gateway.routing.inflight import InFlight
 from ferrylm.gateway.store import Store
+from ferrylm.http.errors import APIError
 from ferrylm.load_report import LoadReport
+from ferrylm.router.app import build_gateway_app
+from ferrylm.router.config import GatewayServerConfig, GroupConfig, RouterConfig
+from ferrylm.router.inflight import InFlight
 from ferrylm.server.config import ServerConfig
-from ferrylm.server.errors import APIError
 
 ROUTER = RouterConfig((GroupConfig("m", ("http://127.0.0.1:9",), tokenizer="/nonexistent"),), poll_interval_s=30)
 
@@ -116,8 +116,8 @@ def test_metrics_require_auth_needs_something_to_check():
 
 
 def test_the_poller_sends_the_upstream_key_to_load():
-    from ferrylm.gateway.routing.poller import HealthPoller
-    from ferrylm.gateway.routing.registry import ReplicaRegistry
+    from ferrylm.router.poller import HealthPoller
+    from ferrylm.router.registry import ReplicaRegistry
 
     seen = {}
 

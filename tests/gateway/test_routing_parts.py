@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from ferrylm.config import ConfigError
 from ferrylm.engine.block_manager import block_hashes
-from ferrylm.gateway.routing.breaker import BreakerState, CircuitBreaker
-from ferrylm.gateway.routing.config import GroupConfig, RouterConfig, load_router_config
-from ferrylm.gateway.routing.policies import (
+from ferrylm.load_report import LoadReport
+from ferrylm.router.breaker import BreakerState, CircuitBreaker
+from ferrylm.router.config import GroupConfig, RouterConfig, load_router_config
+from ferrylm.router.policies import (
     HashRing,
     LatencyEWMA,
     LeastOutstandingTokens,
@@ -22,11 +23,10 @@ from ferrylm.gateway.routing.policies import (
     RoundRobin,
     RouteContext,
 )
-from ferrylm.gateway.routing.registry import ReplicaRegistry
-from ferrylm.gateway.routing.replica import Replica
-from ferrylm.gateway.routing.retry_budget import RetryBudget
-from ferrylm.gateway.routing.sse import _parse
-from ferrylm.load_report import LoadReport
+from ferrylm.router.registry import ReplicaRegistry
+from ferrylm.router.replica import Replica
+from ferrylm.router.retry_budget import RetryBudget
+from ferrylm.router.sse import _parse
 from tests.conftest import examples
 
 
@@ -256,9 +256,9 @@ def test_standalone_admission_reads_the_fleet_load():
     """The standalone gateway sums its replicas' polled engine stats for admission control: an
     all-down group is shed with 503 at once; a deep fleet queue with 429 + Retry-After."""
     from ferrylm.gateway import GatewayConfig
-    from ferrylm.gateway.errors import GatewayError
-    from ferrylm.gateway.routing.app import GatewayState
-    from ferrylm.gateway.routing.config import GatewayServerConfig
+    from ferrylm.http.errors import APIError
+    from ferrylm.router.app import GatewayState
+    from ferrylm.router.config import GatewayServerConfig
 
     router = RouterConfig((GroupConfig("m", ("http://a", "http://b")),))
     state = GatewayState(GatewayServerConfig(router, GatewayConfig(state_db="sqlite://")))
@@ -266,7 +266,7 @@ def test_standalone_admission_reads_the_fleet_load():
         group = state.registry.resolve("m")
         down = state.group_load(group)
         assert down is not None and not down.healthy
-        with pytest.raises(GatewayError) as err:
+        with pytest.raises(APIError) as err:
             state.gateway.admit_sync({}, None, "m", 10, 10, down)
         assert err.value.status == 503 and "Retry-After" in err.value.headers
         a, b = group.replicas
@@ -287,7 +287,7 @@ def test_standalone_admission_reads_the_fleet_load():
         # A queue the fleet drains at ~100 tok/s with 100k tokens waiting: far over the 10 s budget.
         state.gateway.drain._rate = 100.0
         deep = dataclasses.replace(load, num_waiting=500, num_waiting_prompt_tokens=100_000)
-        with pytest.raises(GatewayError) as err:
+        with pytest.raises(APIError) as err:
             state.gateway.admit_sync({}, None, "m", 10, 10, deep)
         assert err.value.status == 429 and int(err.value.headers["Retry-After"]) >= 1
         state.gateway.check_invariants()
@@ -301,7 +301,7 @@ def test_poller_tolerates_slow_probes_but_not_refusals_or_draining():
 
     import httpx
 
-    from ferrylm.gateway.routing.poller import HealthPoller
+    from ferrylm.router.poller import HealthPoller
 
     script: list = []
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ferrylm.config import ConfigError
+from ferrylm.gateway.config import GatewayConfig
 from ferrylm.gateway.ops_auth import check_credential_sources
-from ferrylm.server.config import ConnectionLimits
+from ferrylm.http.config import ConnectionLimits
 
 POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "latency")
 
@@ -137,7 +138,7 @@ class GatewayServerConfig:
     """The standalone `ferrylm gateway` process: where it listens, its policy layer, its fleet."""
 
     router: RouterConfig
-    gateway: object | None = None  # GatewayConfig (auth, limits, quotas, admission, audit) or None
+    gateway: GatewayConfig | None = None  # auth, limits, quotas, admission, audit
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 4 << 20

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Protocol
 
-from ferrylm.server.errors import APIError
+from ferrylm.http.errors import APIError
 
 log = logging.getLogger("ferrylm.server")
 

@@ -12,13 +12,13 @@ import time
 
 import httpx
 
-from ferrylm.gateway.routing.breaker import BreakerState
-from ferrylm.gateway.routing.config import RouterConfig
-from ferrylm.gateway.routing.registry import ReplicaRegistry
-from ferrylm.gateway.routing.replica import Replica
 from ferrylm.load_report import LoadReport
+from ferrylm.router.breaker import BreakerState
+from ferrylm.router.config import RouterConfig
+from ferrylm.router.registry import ReplicaRegistry
+from ferrylm.router.replica import Replica
 
-log = logging.getLogger("ferrylm.gateway.routing")
+log = logging.getLogger("ferrylm.router")
 
 
 def _positive_int(value: object) -> int | None:

@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ferrylm.gateway.routing.config import RouterConfig
-from ferrylm.gateway.routing.metrics import RouterMetrics
-from ferrylm.gateway.routing.policies import RouteContext
-from ferrylm.gateway.routing.registry import ModelGroup, ReplicaRegistry
-from ferrylm.gateway.routing.replica import Replica, Ticket
-from ferrylm.gateway.routing.retry_budget import RetryBudget
-from ferrylm.gateway.routing.sse import Event, events
-from ferrylm.server.errors import APIError
+from ferrylm.http.errors import APIError
+from ferrylm.router.config import RouterConfig
+from ferrylm.router.metrics import RouterMetrics
+from ferrylm.router.policies import RouteContext
+from ferrylm.router.registry import ModelGroup, ReplicaRegistry
+from ferrylm.router.replica import Replica, Ticket
+from ferrylm.router.retry_budget import RetryBudget
+from ferrylm.router.sse import Event, events
 
-log = logging.getLogger("ferrylm.gateway.routing")
+log = logging.getLogger("ferrylm.router")
 
 
 class UpstreamFailure(Exception):
@@ -176,10 +176,10 @@ class Dispatcher:
         response: httpx.Response | None = None
         # A non-streamed answer comes whole at the end: a long generation is not a hung replica, so
         # only the connect timeout applies (the client's own timeout bounds the wait).
-        timeout = None if stream else httpx.Timeout(None, connect=self.config.connect_timeout_s)
+        timeout = httpx.USE_CLIENT_DEFAULT if stream else httpx.Timeout(None, connect=self.config.connect_timeout_s)
         try:
             request = self.client.build_request("POST", replica.url + path, json=payload, headers=headers,
-                                                **({"timeout": timeout} if timeout else {}))
+                                                timeout=timeout)
             try:
                 response = await self.client.send(request, stream=True)
             except httpx.TransportError as e:

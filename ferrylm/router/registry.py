@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ferrylm.gateway.routing.breaker import CircuitBreaker
-from ferrylm.gateway.routing.config import GroupConfig, RouterConfig
-from ferrylm.gateway.routing.policies import Policy, make_policy
-from ferrylm.gateway.routing.replica import Replica
+from ferrylm.router.breaker import CircuitBreaker
+from ferrylm.router.config import GroupConfig, RouterConfig
+from ferrylm.router.policies import Policy, make_policy
+from ferrylm.router.replica import Replica
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from ferrylm.gateway.routing.breaker import BreakerState, CircuitBreaker
 from ferrylm.load_report import LoadReport
+from ferrylm.router.breaker import BreakerState, CircuitBreaker
 
 
 class Ticket:

@@ -7,7 +7,7 @@ import re
 
 from starlette.requests import Request
 
-from ferrylm.server.errors import APIError, invalid
+from ferrylm.http.errors import APIError, invalid
 
 # An oversize body is read and thrown away up to this many times the limit, so the client sees
 # the 413 instead of a connection reset mid-upload; beyond that the connection is cut.

@@ -12,11 +12,12 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from ferrylm.gateway.routing.dispatch import Dispatch
-from ferrylm.gateway.routing.metrics import RouterMetrics
-from ferrylm.gateway.routing.sse import DONE, Event, error_event
+from ferrylm.router.dispatch import Dispatch
+from ferrylm.router.metrics import RouterMetrics
+from ferrylm.router.replica import Replica
+from ferrylm.router.sse import DONE, Event, error_event
 
-log = logging.getLogger("ferrylm.gateway.routing")
+log = logging.getLogger("ferrylm.router")
 Settle = Callable[[int, int | None, int], Awaitable[None]]  # (status, prompt tokens or None, completion tokens)
 
 
@@ -33,7 +34,7 @@ class StreamRelay:
     async generator, so that closing it settles even if it was never started."""
 
     def __init__(self, d: Dispatch, wants_usage: bool, settle: Settle, metrics: RouterMetrics,
-                 on_failure: Callable[[object], None], on_done: Callable[["StreamRelay"], None] = lambda _: None):
+                 on_failure: Callable[[Replica], None], on_done: Callable[["StreamRelay"], None] = lambda _: None):
         self._d, self._wants_usage, self._settle_cb, self._on_done = d, wants_usage, settle, on_done
         self._aborted = False
         self._metrics, self._on_failure = metrics, on_failure
@@ -73,6 +74,7 @@ class StreamRelay:
         """The next event and whether it carries generated tokens, or None when the stream broke."""
         if self._pending:
             return self._pending.pop(0)
+        assert self._d.rest is not None  # a 200 stream always has its rest
         try:
             event = await self._d.rest.__anext__()
             return event, self._d.is_token(event)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ferrylm.gateway.routing.app import build_gateway_app
-from ferrylm.gateway.routing.config import GatewayServerConfig
+from ferrylm.http.uvicorn_server import DrainingServer, bind_socket, uvicorn_config
 from ferrylm.observability.log import configure_logging
-from ferrylm.server.launcher import DrainingServer, bind_socket, uvicorn_config
+from ferrylm.router.app import build_gateway_app
+from ferrylm.router.config import GatewayServerConfig
 
 log = logging.getLogger("ferrylm.gateway")
 
@@ -17,7 +17,9 @@ def run_gateway(config: GatewayServerConfig) -> int:
     configure_logging(config.log_level)
     sock = bind_socket(config.host, config.port)
     app = build_gateway_app(config)
-    server = DrainingServer(uvicorn_config(app, config.connections, config.log_level), app.state.ferry)
+    state = app.state.ferry
+    server = DrainingServer(uvicorn_config(app, config.connections, config.log_level), state.drain,
+                            config.drain_timeout_s, state.fatal)
     host, port = sock.getsockname()[:2]
     log.info("listening", extra={"url": f"http://{host}:{port}", "host": host, "port": port,
                                  "models": [g.name for g in config.router.groups],

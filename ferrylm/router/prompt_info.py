@@ -9,10 +9,10 @@ import logging
 from typing import NamedTuple
 
 from ferrylm.engine.block_manager import block_hashes
-from ferrylm.server import inputs
-from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest
+from ferrylm.http import prompt_ids
+from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest
 
-log = logging.getLogger("ferrylm.gateway.routing")
+log = logging.getLogger("ferrylm.router")
 MAX_HASHED_BLOCKS = 128  # prefixes deeper than this many blocks route like their first 128
 DEFAULT_BLOCK_SIZE = 16
 CHARS_PER_TOKEN = 4  # the estimate when no tokenizer is available
@@ -36,8 +36,8 @@ def _chat_text(request: ChatCompletionRequest) -> str:
 
 def prompt_token_lists(tokenizer, request: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
     if isinstance(request, ChatCompletionRequest):
-        return [inputs.chat_prompt_ids(tokenizer, request)]
-    return inputs.completion_prompt_ids(tokenizer, request, tokenizer.vocab_size)
+        return [prompt_ids.chat_prompt_ids(tokenizer, request)]
+    return prompt_ids.completion_prompt_ids(tokenizer, request, tokenizer.vocab_size)
 
 
 class PromptInfo(NamedTuple):

@@ -42,7 +42,8 @@ class Event(NamedTuple):
 
     @property
     def finished(self) -> bool:
-        return bool(self.data) and any(c.get("finish_reason") for c in self.data.get("choices") or ())
+        data = self.data
+        return bool(data) and any(c.get("finish_reason") for c in (data or {}).get("choices") or ())
 
 
 def _parse(lines: list[str]) -> Event:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from ferrylm.gateway.routing.replica import Replica
+from ferrylm.router.replica import Replica
 
 
 class RouteContext(NamedTuple):

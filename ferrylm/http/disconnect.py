@@ -57,4 +57,4 @@ class SSEResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # ours are async generators

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from ferrylm.server.errors import APIError
+from ferrylm.http.errors import APIError
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 body can be sent on. The gateway re-encodes the body for the replica (httpx: strict JSON, UTF-8),
 so JSON that decodes but cannot be encoded again (NaN or Infinity, which are not JSON; a lone
 surrogate such as "\\ud800", which has no UTF-8 form; nesting deeper than the codec recurses)
-gets a 400 here instead of a 500 while tokenizing or proxying. server/body.py refuses the last
+gets a 400 here instead of a 500 while tokenizing or proxying. http/body.py refuses the last
 two itself with a more precise message; this check is what the proxy path relies on."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 
 from starlette.requests import Request
 
-from ferrylm.server.body import read_json_body
-from ferrylm.server.errors import APIError, invalid
+from ferrylm.http.body import read_json_body
+from ferrylm.http.errors import APIError, invalid
 
 
 def _too_deep() -> APIError:

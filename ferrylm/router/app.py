@@ -15,27 +15,26 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ferrylm.gateway.errors import GatewayError
-from ferrylm.gateway.http import error_response
 from ferrylm.gateway.ops_auth import require_credential
 from ferrylm.gateway.reservation import reserved_tokens
-from ferrylm.gateway.routing import prompt_info
-from ferrylm.gateway.routing.config import GatewayServerConfig
-from ferrylm.gateway.routing.dispatch import Dispatcher
-from ferrylm.gateway.routing.inflight import InFlight
-from ferrylm.gateway.routing.metrics import RouterMetrics
-from ferrylm.gateway.routing.policies import RouteContext
-from ferrylm.gateway.routing.poller import HealthPoller
-from ferrylm.gateway.routing.registry import ModelGroup, ReplicaRegistry
-from ferrylm.gateway.routing.relay import StreamRelay
-from ferrylm.gateway.routing.request_body import read_request_body
+from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
+from ferrylm.http.drain import DrainController
+from ferrylm.http.error_handlers import install_error_handlers
+from ferrylm.http.errors import APIError, parse_model
+from ferrylm.http.middleware import RequestIdMiddleware, new_request_id
+from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import Usage
-from ferrylm.server.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
-from ferrylm.server.drain import DrainController
-from ferrylm.server.errors import APIError, install_error_handlers, parse_model
-from ferrylm.server.middleware import RequestIdMiddleware, new_request_id
-from ferrylm.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from ferrylm.router import prompt_info
+from ferrylm.router.config import GatewayServerConfig
+from ferrylm.router.dispatch import Dispatcher
+from ferrylm.router.inflight import InFlight
+from ferrylm.router.metrics import RouterMetrics
+from ferrylm.router.policies import RouteContext
+from ferrylm.router.poller import HealthPoller
+from ferrylm.router.registry import ModelGroup, ReplicaRegistry
+from ferrylm.router.relay import StreamRelay
+from ferrylm.router.request_body import read_request_body
 
 log = logging.getLogger("ferrylm.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -160,13 +159,17 @@ class _Settlement:
         return 0 if 400 <= status < 499 else self._ctx.billed_prompt_tokens
 
     async def __call__(self, status: int, prompt: int | None, completion: int) -> None:
-        if self._admission is not None:
-            await self._state.gateway.finish(self._admission, status,
+        gateway = self._state.gateway
+        if self._admission is not None and gateway is not None:
+            await gateway.finish(self._admission, status,
                                              prompt if prompt is not None else self._unreported_prompt(status),
                                              completion, time.monotonic() - self._started)
 
 
-async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> Response:
+RequestModel = type[ChatCompletionRequest] | type[CompletionRequest]
+
+
+async def _proxy(request: Request, model_cls: RequestModel, path: str, prefix: str) -> Response:
     state = _state(request)
     state.drain.check_admitting()
     waiting = InFlight()
@@ -177,38 +180,43 @@ async def _proxy(request: Request, model_cls: type, path: str, prefix: str) -> R
         state.drain.discard(waiting)
 
 
-async def _proxy_admitted(request: Request, state: GatewayState, model_cls: type, path: str, prefix: str,
+async def _proxy_admitted(request: Request, state: GatewayState, model_cls: RequestModel, path: str, prefix: str,
                           waiting: InFlight) -> Response:
-    principal = await state.gateway.authenticate(request.headers) if state.gateway is not None else None
+    gateway, dispatcher = state.gateway, state.dispatcher
+    assert dispatcher is not None  # set by the lifespan before any request
     client = request.client.host if request.client else None
-    # One request off requests/min before the body is read or tokenized (as `ferrylm serve`).
-    charge = await state.gateway.charge_request(principal, client) if state.gateway is not None else None
+    principal = charge = None
+    if gateway is not None:
+        principal = await gateway.authenticate(request.headers)
+        # One request off requests/min before the body is read or tokenized (as `ferrylm serve`).
+        charge = await gateway.charge_request(principal, client)
     body = await read_request_body(request, state.config.max_body_bytes)
-    req = parse_model(model_cls, body)
+    req: ChatCompletionRequest | CompletionRequest = parse_model(model_cls, body)
     group = state.registry.resolve(req.model)
     if group is None:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
     request.state.request_id = request_id = request.state.request_id or new_request_id(prefix)
     ctx = await _route_context(state, group, req)
     admission = None
-    if state.gateway is not None:
-        admission = await state.gateway.admit(request.headers, client, group.name, ctx.prompt_tokens,
+    if gateway is not None:
+        admission = await gateway.admit(request.headers, client, group.name, ctx.prompt_tokens,
                                               ctx.expected_output, state.group_load(group), request_id=request_id,
                                               principal=principal, num_sequences=ctx.num_sequences,
                                               request_charge=charge)
     settle = _Settlement(state, admission, ctx)
-    priority = admission.priority if admission is not None and state.gateway.config.require_auth else None
+    priority = admission.priority if admission is not None and gateway is not None and gateway.config.require_auth \
+        else None
     headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
-    status = 500
+    status: int | None = 500
     try:
-        d = await cancel_on_disconnect(request, waiting.guard(state.dispatcher.dispatch(
+        d = await cancel_on_disconnect(request, waiting.guard(dispatcher.dispatch(
             group, path, _upstream_body(body, req, priority), headers, ctx, bool(req.stream))))
         extra = admission.response_headers if admission is not None else {}
         if state.config.router.expose_upstream:
             extra["X-FerryLM-Upstream"] = d.replica.url
         if req.stream and d.response.status_code == 200:
             relay = StreamRelay(d, bool(req.stream_options and req.stream_options.include_usage), settle,
-                                state.metrics, state.dispatcher.record_failure, state.drain.discard)
+                                state.metrics, dispatcher.record_failure, state.drain.discard)
             state.drain.add(relay)
             status = None  # the relay settles
             return SSEResponse(relay, headers=SSE_HEADERS | extra)
@@ -298,7 +306,6 @@ def build_gateway_app(config: GatewayServerConfig) -> FastAPI:
     app.state.ferry = state
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
-    app.add_exception_handler(GatewayError, lambda _request, e: error_response(e))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)

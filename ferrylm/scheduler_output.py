@@ -1,0 +1,32 @@
+"""SchedulerOutput: the one bridge from the engine (ids, counts) to the model runner (tensors).
+
+A leaf module, so model/ reads what the scheduler decided without importing engine/."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ferrylm.sampling_params import SamplingParams
+
+
+class NewRequestData(NamedTuple):
+    """Sent to the runner the first time a request is scheduled, so it can set up sampling state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class ScheduledRequest(NamedTuple):
+    request_id: str
+    token_ids: list[int]  # the tokens whose K/V this step computes
+    num_computed_tokens: int  # tokens already in the cache before this step
+    block_ids: list[int]
+    sample: bool  # True when this chunk reaches the end of the known tokens
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledRequest]
+    new_requests: list[NewRequestData]
+    finished_ids: list[str]  # requests the runner can forget (finished since the last step)
+    num_batched_tokens: int
