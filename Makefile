@@ -23,9 +23,9 @@ serve: setup
 generate: setup
 	$(VENV)/bin/ferrylm generate --model smollm2-135m --prompt "$(or $(PROMPT),Tell me about the sea.)"
 
-lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, gateway/, router/, http/ and the leaves
+lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, server/, gateway/, router/, http/, leaves
 	$(VENV)/bin/ruff check ferrylm tests bench
-	$(VENV)/bin/mypy ferrylm/engine ferrylm/gateway ferrylm/router ferrylm/http ferrylm/load_report.py \
+	$(VENV)/bin/mypy ferrylm/engine ferrylm/server ferrylm/gateway ferrylm/router ferrylm/http ferrylm/load_report.py \
 	    ferrylm/request_limits.py ferrylm/outputs.py ferrylm/sampling_params.py
 
 test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jwt
 from cryptography.hazmat.primitives.serialization import load_pem_public_key

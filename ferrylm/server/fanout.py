@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple, Protocol
 
-from ferrylm.engine.client import EngineClient
+from ferrylm.engine.client import EngineClient, RequestStreamLike
 from ferrylm.engine.parallel_sampling import ParentRequest
 from ferrylm.http.errors import APIError
 from ferrylm.outputs import CompletionOutput, FinishReason, RequestOutput
@@ -44,7 +44,7 @@ class FanoutRegistry(Protocol):
 
 
 class _Item(NamedTuple):
-    index: int
+    choice: int
     output: RequestOutput | None  # None: the sequence ended without finishing (aborted)
     error: BaseException | None
 
@@ -103,9 +103,10 @@ class Fanout:
             if self._registry is not None:
                 self._registry.discard(self)
             raise failed
-        self._tasks = [asyncio.create_task(self._pump(i, stream)) for i, stream in enumerate(streams)]
+        self._tasks = [asyncio.create_task(self._pump(i, stream)) for i, stream in enumerate(streams)
+                       if not isinstance(stream, BaseException)]
 
-    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def _pump(self, index: int, stream: RequestStreamLike) -> None:
         observer = self._observer_factory() if self._observer_factory else None
         try:
             async for out in stream:
@@ -135,10 +136,10 @@ class Fanout:
             item = await self._queue.get()
             if item.error is not None:
                 raise item.error
-            out = item.output if item.output is not None else self._aborted_output(item.index)
-            parent, j = self._parent(item.index)
+            out = item.output if item.output is not None else self._aborted_output(item.choice)
+            parent, j = self._parent(item.choice)
             parent.add(j, out)
-            yield item.index, out
+            yield item.choice, out
             if out.finished:
                 remaining -= 1
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
 
@@ -45,7 +45,7 @@ async def admit(request: Request, state: ServerState, engine: EngineClient, requ
 
 def priority(state: ServerState, admission: Admission | None, requested: int | None) -> int:
     """With auth on, the tenant's tier decides the priority (clients cannot jump the queue)."""
-    if admission is not None and state.gateway.config.require_auth:
+    if admission is not None and state.gateway is not None and state.gateway.config.require_auth:
         return admission.priority
     return requested or 0
 
@@ -59,7 +59,7 @@ def usage(fanout: Fanout) -> tuple[int, int]:
 
 async def finish(state: ServerState, admission: Admission | None, status: int, fanout: Fanout | None,
                  started: float) -> None:
-    if admission is None:
+    if admission is None or state.gateway is None:
         return
     prompt, completion = usage(fanout) if fanout is not None else (0, 0)  # refused before any engine work
     await state.gateway.finish(admission, status, prompt, completion, time.monotonic() - started)
@@ -70,7 +70,7 @@ class finishing:  # noqa: N801 - used like the async generator it replaces
     (200 if it ran to the end, 499 if the client left first). A class, not an async generator,
     so that closing it settles even if it was never started (client gone before the first byte)."""
 
-    def __init__(self, stream: AsyncIterator[str], state: ServerState, admission: Admission | None,
+    def __init__(self, stream: AsyncGenerator[str, None], state: ServerState, admission: Admission | None,
                  fanout: Fanout, started: float):
         self._stream, self._state, self._admission = stream, state, admission
         self._fanout, self._started = fanout, started

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from pydantic import BaseModel
 
@@ -25,6 +26,7 @@ from ferrylm.http.protocol import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    FinishReasonStr,
     UsageInfo,
 )
 from ferrylm.outputs import FinishReason, RequestOutput, Usage
@@ -62,9 +64,10 @@ def usage(fanout: Fanout, finals: list[RequestOutput]) -> UsageInfo:
                      total_tokens=u.total_tokens)
 
 
-def _reason(out: RequestOutput) -> str | None:
+def _reason(out: RequestOutput) -> FinishReasonStr | None:
     reason = out.outputs[0].finish_reason
-    return reason.value if isinstance(reason, FinishReason) else reason
+    value = reason.value if isinstance(reason, FinishReason) else reason
+    return cast(FinishReasonStr, value)
 
 
 def _log_finished(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput], stream: bool) -> None:
@@ -126,12 +129,12 @@ def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput) -> list[s
     return events
 
 
-def stream_chat(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+def stream_chat(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
     """`chat.completion.chunk` events for a started Fanout; closes it however the stream ends."""
     return _guarded(ctx, fanout, _chat_events(ctx, fanout))
 
 
-async def _chat_events(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+async def _chat_events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
     for i in range(fanout.num_choices):
         yield _chat_chunk(ctx, ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     async for index, out in fanout:
@@ -150,7 +153,7 @@ def _closing_events(ctx: ResponseContext, fanout: Fanout, usage_chunk: Callable)
     return events
 
 
-async def _guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
     """The SSE skeleton both endpoints share: a failure is reported in-band (the status line is
     already sent, as OpenAI does), the fanout is closed however the stream ends, [DONE] comes last."""
     try:
@@ -203,7 +206,7 @@ def _completion_chunk(ctx: ResponseContext, index: int, out: RequestOutput, sent
         return None
     text = c.text_delta
     lp = None
-    if has_tokens:
+    if has_tokens and ctx.top_logprobs is not None:
         offset = sent.get(index, 0)
         lp = completion_logprobs(ctx.tokenizer, *_new_tokens(out), ctx.top_logprobs, offset)
     sent[index] = sent.get(index, 0) + len(text)
@@ -211,12 +214,12 @@ def _completion_chunk(ctx: ResponseContext, index: int, out: RequestOutput, sent
     return sse(CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]))
 
 
-def stream_completion(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+def stream_completion(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
     """`text_completion` events for a started Fanout; closes it however the stream ends."""
     return _guarded(ctx, fanout, _completion_events(ctx, fanout))
 
 
-async def _completion_events(ctx: ResponseContext, fanout: Fanout) -> AsyncIterator[str]:
+async def _completion_events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
     sent: dict[int, int] = {}  # characters streamed per choice (for logprobs text_offset)
     if ctx.echo:
         for i in range(fanout.num_choices):

@@ -63,10 +63,10 @@ class ServerState:
         start = time.monotonic()
         try:
             engine = await asyncio.to_thread(self._engine_factory)
-            self.engine = AsyncEngine(engine)
-            self.engine.start()
-            self.probe = ReadinessProbe(self.engine, engine.tokenizer.encode("ok"), self.config.ready_timeout_s)
-            await self._warm_up(engine)
+            self.engine = async_engine = AsyncEngine(engine)
+            async_engine.start()
+            self.probe = ReadinessProbe(async_engine, engine.tokenizer.encode("ok"), self.config.ready_timeout_s)
+            await self._warm_up(async_engine, engine)
         except Exception as e:  # noqa: BLE001 - a server that cannot load must say why and exit
             log.exception("engine failed to load")
             self.load_error = e
@@ -77,13 +77,13 @@ class ServerState:
                                         "max_model_len": engine.max_model_len,
                                         "kv_blocks": engine.stats().kv_blocks_total})
 
-    async def _warm_up(self, engine: Engine) -> None:
+    async def _warm_up(self, async_engine: AsyncEngine, engine: Engine) -> None:
         """One short chat generation through the whole path, so the first user pays no one-off costs."""
         tok = engine.tokenizer
         await asyncio.to_thread(lambda: tok.max_token_chars)  # computed once, off the event loop
         prompt = (tok.apply_chat_template([{"role": "user", "content": "Hello"}]) if tok.has_chat_template
                   else tok.encode("Hello"))
-        stream = self.engine.generate("warmup", prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        stream = await async_engine.add_request("warmup", prompt, SamplingParams(temperature=0.0, max_tokens=4))
         try:
             async with asyncio.timeout(WARMUP_TIMEOUT_S):
                 async for _ in stream:
