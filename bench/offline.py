@@ -169,10 +169,12 @@ def main() -> int:
     p.add_argument("--hf-requests", type=int, default=16, help="requests of (a) run through transformers")
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--json", type=Path)
+    p.add_argument("--enforce-eager", action="store_true", help="no compiled decode step (the default compiles it)")
     args = p.parse_args()
     rng = random.Random(0)
     t0 = time.perf_counter()
-    llm = LLM("smollm2-135m", dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024)
+    llm = LLM("smollm2-135m", dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
+              enforce_eager=args.enforce_eager)
     load_s = time.perf_counter() - t0
     print(f"load: {time.perf_counter() - t0:.1f} s, dtype {llm.engine.runner.dtype}, "
           f"threads {torch.get_num_threads()}", flush=True)

@@ -11,6 +11,11 @@ import time
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face model directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    from ferrylm.config import QUANTIZATION_CHOICES
+
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="weights kept quantized at run time: int8 / int4[-gN] (quantized at load), gguf (a GGUF "
+                        "file's blocks kept packed), fp8 (CUDA), none; default: GGUF packed on CPU, else none")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -20,13 +25,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and the KV pool (CUDA)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    from ferrylm.config import EngineConfig
+
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineConfig.enforce_eager,
+                   help="run every step eagerly: no compiled decode step (CPU; compiled at start-up, cached "
+                        "under $FERRYLM_CACHE_DIR) and no CUDA graphs")
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
 
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device,
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),

@@ -65,6 +65,28 @@ class SchedulerConfig:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
 
 
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A parsed --quantization value. method: "none" | "int8" | "int4" | "gguf" | "fp8"; group_size
+    for int4 (inputs per scale and min; plain "int4" means 32, llama.cpp's Q4 block)."""
+
+    method: str
+    group_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: str) -> "QuantConfig":
+        if value not in QUANTIZATION_CHOICES:
+            raise ConfigError(f"--quantization {value!r} is not supported; choose one of "
+                              f"{', '.join(QUANTIZATION_CHOICES)} (or leave it unset: GGUF files stay packed, "
+                              "other checkpoints unquantized)")
+        if value.startswith("int4"):
+            return cls("int4", int(value.removeprefix("int4-g") or 32) if "-g" in value else 32)
+        return cls(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs: which model, its dtype/device, the cache and the scheduler."""
@@ -75,6 +97,16 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    quantization: str | None = None  # --quantization; None: GGUF kept packed where a kernel runs, else none
+    enforce_eager: bool = False  # --enforce-eager: no compiled decode step (CPU) and no CUDA graphs
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None:
+            QuantConfig.parse(self.quantization)  # a clear ConfigError before anything loads
+
+    @property
+    def quant(self) -> QuantConfig | None:
+        return None if self.quantization is None else QuantConfig.parse(self.quantization)
 
     def with_scheduler(self, **kwargs) -> "EngineConfig":
         return replace(self, scheduler=replace(self.scheduler, **kwargs))

@@ -39,10 +39,12 @@ requires_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="pip insta
 
 @pytest.fixture(scope="session")
 def llm_fp32():
-    """The offline LLM on SmolLM2 in float32, shared by the model tests (loading costs seconds)."""
+    """The offline LLM on SmolLM2 in float32, shared by the model tests (loading costs seconds).
+    Eager: compiling the decode step costs ~a minute on a fresh cache (tests/model/test_compiled_step.py
+    covers it on a tiny model)."""
     from ferrylm import LLM
 
-    return LLM(SMOLLM2, dtype="float32", max_num_seqs=64, max_num_batched_tokens=1024)
+    return LLM(SMOLLM2, dtype="float32", max_num_seqs=64, max_num_batched_tokens=1024, enforce_eager=True)
 
 
 @pytest.fixture(scope="session")

@@ -57,7 +57,8 @@ class Engine:
         max_model_len = config.scheduler.max_model_len or checkpoint.config.max_position_embeddings
         device = resolve_device(config.device)
         runner = ModelRunner(checkpoint, config.cache, resolve_dtype(config.dtype, device), device, max_model_len,
-                             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+                             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                             enforce_eager=config.enforce_eager, quantization=config.quant)
         tokenizer = Tokenizer.load(source, checkpoint.config.eos_token_ids)
         return cls(config, runner, tokenizer, max_model_len)
 

@@ -14,6 +14,7 @@ import math
 import warnings
 from collections.abc import Callable
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ def _type_name(t: int) -> str:
     return _OTHER_TYPE_NAMES.get(t, "unknown")
 
 
-def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+def as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     """Flat uint8 view of ``raw``'s bytes (no copy where possible)."""
     if isinstance(raw, torch.Tensor):
         return raw.contiguous().reshape(-1).view(torch.uint8)
@@ -207,7 +208,7 @@ def dequantize(
             f"{gt.name}: last dimension of shape {shape} must be a multiple of "
             f"the block size {block_size}"
         )
-    data = _as_bytes(raw)
+    data = as_bytes(raw)
     expected = n_elems // block_size * type_size
     if data.numel() != expected:
         raise ValueError(
@@ -217,3 +218,88 @@ def dequantize(
     if block_size > 1:
         data = data.reshape(-1, type_size)
     return _DECODERS[gt](data).reshape(shape)
+
+
+class IntegerBlocks(NamedTuple):
+    """A quantized tensor's integer codes and per-group affine terms: w = scale * codes + min.
+
+    codes: [rows, cols] int16 in natural element order (values as stored: 0..15 for Q4_*, -128..127
+    for Q8_0, 0..31 for Q5_K, -32..31 for Q6_K). scale / min: [rows, cols / group], fp16 where the
+    file's own fp16 value is the scale (no rounding), else fp32 (products of fp16 and small ints, exact).
+    min is None for symmetric formats.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+    group: int
+
+
+def _k_terms(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: per 32-element sub-block (scale, min) as fp32 [n, 8] (w = scale * q + min)."""
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _scale_min_k4(blocks[:, 4:16])
+    return d * sc.to(torch.float32), -(dmin * mn.to(torch.float32))
+
+
+def _int_q4_0(b: torch.Tensor) -> IntegerBlocks:
+    d = b[:, :2].contiguous().view(torch.float16)
+    return IntegerBlocks(_nibbles(b[:, 2:]).reshape(-1, 32).to(torch.int16), d, d * -8, 32)
+
+
+def _int_q4_1(b: torch.Tensor) -> IntegerBlocks:
+    d, m = b[:, :2].contiguous().view(torch.float16), b[:, 2:4].contiguous().view(torch.float16)
+    return IntegerBlocks(_nibbles(b[:, 4:]).reshape(-1, 32).to(torch.int16), d, m, 32)
+
+
+def _int_q8_0(b: torch.Tensor) -> IntegerBlocks:
+    return IntegerBlocks(b[:, 2:].view(torch.int8).to(torch.int16), b[:, :2].contiguous().view(torch.float16), None, 32)
+
+
+def _int_q4_k(b: torch.Tensor) -> IntegerBlocks:
+    scale, mn = _k_terms(b)
+    q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, QK_K)
+    return IntegerBlocks(q.to(torch.int16), scale, mn, 32)
+
+
+def _int_q5_k(b: torch.Tensor) -> IntegerBlocks:
+    scale, mn = _k_terms(b)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
+    qh = (b[:, 16:48].unsqueeze(1) >> shifts) & 0x01
+    ql = _nibbles(b[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    return IntegerBlocks((ql | (qh << 4)).reshape(-1, QK_K).to(torch.int16), scale, mn, 32)
+
+
+def _int_q6_k(b: torch.Tensor) -> IntegerBlocks:
+    ql = _nibbles(b[:, :128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
+    qh = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 0x03).reshape(-1, 8, 32)
+    q = (ql | (qh << 4)).reshape(-1, QK_K).to(torch.int16) - 32
+    scale = _f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).to(torch.float32)  # [n, 16]
+    return IntegerBlocks(q, scale, None, 16)
+
+
+_INTEGER: dict[GGMLType, Callable[[torch.Tensor], IntegerBlocks]] = {
+    GGMLType.Q4_0: _int_q4_0, GGMLType.Q4_1: _int_q4_1, GGMLType.Q8_0: _int_q8_0,
+    GGMLType.Q4_K: _int_q4_k, GGMLType.Q5_K: _int_q5_k, GGMLType.Q6_K: _int_q6_k,
+}
+INTEGER_TYPES: frozenset[GGMLType] = frozenset(_INTEGER)
+
+
+def integer_blocks(raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> IntegerBlocks:
+    """The integer codes and affine terms of a 2-D quantized tensor (no float weight is formed).
+
+    Lossless: ``scale * codes + min`` equals ``dequantize(raw, ggml_type, shape)`` up to float rounding.
+    """
+    gt = GGMLType(int(ggml_type))
+    if gt not in _INTEGER:
+        raise ValueError(f"{gt.name} has no integer form (supported: {', '.join(t.name for t in _INTEGER)})")
+    block_size, type_size = BLOCK_SIZES[gt]
+    rows, cols = (int(s) for s in shape)
+    data = as_bytes(raw)
+    if cols % block_size or data.numel() != rows * cols // block_size * type_size:
+        raise ValueError(f"{gt.name} tensor of shape {(rows, cols)}: {data.numel()} bytes do not fit")
+    blocks = _INTEGER[gt](data.reshape(-1, type_size))
+    per_row = cols // blocks.group
+    return IntegerBlocks(blocks.codes.reshape(rows, cols), blocks.scale.reshape(rows, per_row),
+                         None if blocks.min is None else blocks.min.reshape(rows, per_row), blocks.group)

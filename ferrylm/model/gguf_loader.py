@@ -1,16 +1,17 @@
-"""GGUF files: metadata → ModelConfig, tensors → dequantized, un-permuted, HF-named tensors."""
+"""GGUF files: metadata → ModelConfig; tensors → HF-named, un-permuted, 2-D ones still in their blocks."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ferrylm.config import ModelConfig
-from ferrylm.model.gguf_dequant import dequantize
+from ferrylm.model.gguf_dequant import BLOCK_SIZES, GGMLType, as_bytes, dequantize
 from ferrylm.model.model_source import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -115,20 +116,53 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF checkpoint name, float32 tensor) for every tensor the model uses."""
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A 2-D GGUF tensor still in its ggml blocks: `data` is uint8 [rows, bytes per row], `shape` the
+    logical [rows, cols]. Rows are independent, so row permutations and row slices work on the bytes.
+    A quantization method either repacks the blocks (quant/gguf.py) or asks for to_float()."""
+
+    ggml_type: int
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def to_float(self) -> torch.Tensor:
+        """Dequantized float32 [rows, cols]."""
+        return dequantize(self.data, self.ggml_type, self.shape)
+
+    def with_rows(self, data: torch.Tensor) -> "GGUFTensor":
+        return GGUFTensor(self.ggml_type, data, self.shape)
+
+
+def _raw_tensor(t, path: Path) -> GGUFTensor | torch.Tensor:
+    """A reader tensor as a GGUFTensor (2-D) or a float32 tensor (1-D: norms)."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    kind = int(t.tensor_type)
+    try:
+        if len(shape) != 2:
+            return dequantize(np.asarray(t.data), kind, shape)
+        if kind not in GGMLType._value2member_map_:
+            dequantize(np.asarray(t.data), kind, shape)  # raises the readable "unsupported type" error
+        block, size = BLOCK_SIZES[GGMLType(kind)]
+        if shape[1] % block:
+            raise ValueError(f"{GGMLType(kind).name}: row length {shape[1]} is not a multiple of {block}")
+        data = as_bytes(np.asarray(t.data)).reshape(shape[0], shape[1] // block * size)
+        return GGUFTensor(kind, data, shape)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {t.name!r}: {e}") from None
+
+
+def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor | torch.Tensor]]:
+    """Yield (HF checkpoint name, tensor) for every tensor the model uses: 2-D tensors as GGUFTensor
+    (Q/K rows already un-permuted), 1-D ones as float32."""
     permute = config.architecture in ("llama", "mistral")
     for t in gguf.reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        try:
-            w = dequantize(np.asarray(t.data), int(t.tensor_type), shape)
-        except ValueError as e:
-            raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: {e}") from None
+        w = _raw_tensor(t, gguf.path)
         if permute and name.endswith("q_proj.weight"):
-            w = unpermute_qk(w, config.num_heads)
+            w = w.with_rows(unpermute_qk(w.data, config.num_heads))
         elif permute and name.endswith("k_proj.weight"):
-            w = unpermute_qk(w, config.num_kv_heads)
+            w = w.with_rows(unpermute_qk(w.data, config.num_kv_heads))
         yield name, w

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrylm.model.quant.base import QuantMethod, UnquantizedMethod
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like the reference, then cast back to the activation dtype.
@@ -108,12 +110,18 @@ class SiluAndMul(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Weight stored [out, in] as in checkpoints; quantized variants come later."""
+    """y = x W^T (+ b), W [out, in] as in checkpoints. How W is stored and multiplied is the layer's
+    QuantMethod (quant/base.py): a float weight and F.linear unless a quantization is chosen."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: QuantMethod | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.in_features, self.out_features = in_features, out_features
+        self.quant = quant if quant is not None else UnquantizedMethod()
+        self.quant.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, quant={self.quant.name}"

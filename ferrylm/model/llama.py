@@ -13,18 +13,21 @@ from ferrylm.config import ModelConfig
 from ferrylm.model.attention.base import AttentionBackend
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from ferrylm.model.quant.base import QuantMethod, UnquantizedMethod
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant: QuantMethod | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias,
+                               quant=quant)
+        self.o_proj = Linear(self.q_size, config.hidden_size, quant=quant)
         self.scale = self.head_dim ** -0.5
         self.rotary = rotary  # shared across layers, not owned
         self.backend = backend
@@ -43,10 +46,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quant: QuantMethod | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, quant=quant)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, quant=quant)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,12 +57,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, fused_ops=None):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, fused_ops=None,
+                 quant: QuantMethod | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.self_attn = LlamaAttention(config, rotary, backend, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, quant)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,31 +82,54 @@ class LlamaForCausalLM(nn.Module):
     `backend`: the attention backend every layer calls.
 
     `fused_ops`: optional CPU extension with in-place add+RMSNorm and packed RoPE (fewer op dispatches).
+
+    `quant`: the QuantMethod of every decoder Linear; `lm_head_quant` that of the LM head (default: the
+    same). A tied embedding shares lm_head's weight: the same Parameter when lm_head is unquantized,
+    else `embed_tokens` is None and lookups unpack lm_head's rows (no float table is kept).
     """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None,
-                 fused_ops=None):
+                 fused_ops=None, quant: QuantMethod | None = None, lm_head_quant: QuantMethod | None = None):
         super().__init__()
         self.config = config
         self.attn_backend = backend  # shared by every layer; prepare(batch) once per forward
         positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling_dict,
                                       fused_ops)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops)
+        head_quant = lm_head_quant or quant or UnquantizedMethod()
+        self.embed_tokens: nn.Embedding | None = None
+        if not (config.tie_word_embeddings and not isinstance(head_quant, UnquantizedMethod)):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops, quant)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, quant=head_quant)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding and lm_head Parameter (tied, unquantized); call again after to_empty()."""
+        if self.config.tie_word_embeddings and self.embed_tokens is not None:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def process_weights_after_loading(self) -> None:
+        """Each Linear's QuantMethod turns its loaded weight into the form it runs on."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quant.process_weights_after_loading(module)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] → [T, hidden] in the model dtype."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids)
+        return self.lm_head.quant.embed(self.lm_head, input_ids, self.norm.weight.dtype)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         """Hidden states [T, hidden]. The runner attaches the step's attention metadata; callers that
         do not (tests, benchmarks) get it prepared here, still once for all layers."""
         if batch.attn_metadata is None:
             batch = batch.with_attn_metadata(self.attn_backend.prepare(batch))
-        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        x = self.embed(batch.input_ids)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, batch, kv_cache)

@@ -7,10 +7,12 @@ from collections.abc import Iterable
 
 import torch
 
-from ferrylm.config import ModelConfig
+from ferrylm.config import ModelConfig, QuantConfig
 from ferrylm.model.attention.base import AttentionBackend
+from ferrylm.model.layers import Linear
 from ferrylm.model.llama import LlamaForCausalLM
 from ferrylm.model.model_source import ModelLoadError, ModelSource
+from ferrylm.model.quant import select_quant_method
 
 # checkpoint projection → (packed parameter, shard index)
 _PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -32,7 +34,8 @@ class Checkpoint:
 
             self.config = load_hf_config(source.path, source.name)
 
-    def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+    def weights(self) -> Iterable[tuple[str, object]]:
+        """(name, float tensor) pairs, or for GGUF 2-D tensors still in their blocks (GGUFTensor)."""
         if self.source.kind == "gguf":
             from ferrylm.model.gguf_loader import iter_gguf_weights
 
@@ -51,45 +54,67 @@ def _shard_slice(config: ModelConfig, packed: str, index: int) -> slice:
     return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)][index]
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], origin: str) -> None:
-    """Copy checkpoint tensors into the model's (packed) parameters; every parameter must be filled."""
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, object]], origin: str) -> None:
+    """Copy checkpoint tensors into the model; every weight must be filled. A Linear's weight goes
+    through its QuantMethod (q/k/v and gate/up fill row ranges of the packed projections); tensors
+    are float, or GGUF tensors still in their blocks (gguf_loader.GGUFTensor)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    tied = model.config.tie_word_embeddings
     filled: dict[str, int] = {}
     for ckpt_name, tensor in weights:
         name = ckpt_name.removeprefix("model.")
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        if tied and name == "lm_head.weight":
             continue
+        if tied and name == "embed_tokens.weight":
+            name = "lm_head.weight"  # one weight: lm_head's QuantMethod owns it, the embedding reads it
         m = re.fullmatch(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)", name)
         target, rows = name, slice(None)
         if m:
             packed, index = _PACKED[m.group(2)]
             target, rows = f"{m.group(1)}.{packed}.{m.group(3)}", _shard_slice(model.config, packed, index)
-        if target not in params:
+        module_name, _, attr = target.rpartition(".")
+        layer = linears.get(module_name)
+        if layer is not None and attr == "weight":
+            expected = (len(range(layer.out_features)[rows]), layer.in_features)
+            _check_shape(origin, ckpt_name, tuple(tensor.shape), expected)
+            layer.quant.load_weight(layer, tensor, rows)
+        elif target in params:
+            dest = params[target].data[rows]
+            _check_shape(origin, ckpt_name, tuple(tensor.shape), tuple(dest.shape))
+            dest.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.to_float())
+        else:
             continue  # e.g. rotary inv_freq buffers saved by old checkpoints
-        dest = params[target].data[rows]
-        if dest.shape != tensor.shape:
-            raise ModelLoadError(f"{origin}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
         filled[target] = filled.get(target, 0) + 1
+    expected_names = {f"{name}.weight" for name in linears} | set(params)
+    if tied:
+        expected_names.discard("embed_tokens.weight")  # the same Parameter as lm_head.weight
     expected = {"qkv_proj": 3, "gate_up_proj": 2}
-    for name in params:
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
+    for name in sorted(expected_names):
         need = next((n for key, n in expected.items() if f".{key}." in name), 1)
         if filled.get(name, 0) < need:
             raise ModelLoadError(f"{origin}: checkpoint is missing weights for {name!r}")
 
 
+def _check_shape(origin: str, ckpt_name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if got != expected:
+        raise ModelLoadError(f"{origin}: tensor {ckpt_name!r} has shape {got}, expected {expected}")
+
+
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               max_positions: int | None = None, fused_ops=None) -> LlamaForCausalLM:
-    """Allocate on the meta device, materialise in `dtype` on `device`, then fill from the checkpoint."""
+               max_positions: int | None = None, fused_ops=None,
+               quantization: QuantConfig | None = None) -> LlamaForCausalLM:
+    """Allocate on the meta device, materialise in `dtype` on `device`, fill from the checkpoint, then let
+    each Linear's QuantMethod (chosen from `quantization`, see quant.select_quant_method) process it."""
     config = checkpoint.config
+    kind = getattr(checkpoint.source, "kind", "hf")
+    method = select_quant_method(quantization, kind, device, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions, fused_ops)
+        model = LlamaForCausalLM(config, backend, max_positions, fused_ops, quant=method,
+                                 lm_head_quant=method.lm_head_method())
     model = model.to(dtype).to_empty(device=device)  # dtype cast on meta is free
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights()
     model.rotary.build_table(device)
     load_weights(model, checkpoint.weights(), str(checkpoint.source.path))
+    model.process_weights_after_loading()
     return model.eval()

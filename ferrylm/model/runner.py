@@ -3,19 +3,24 @@ into a ForwardBatch, runs the model and samples the next token for requests that
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 
-from ferrylm.config import CacheConfig, ModelConfig
+from ferrylm.config import CacheConfig, ModelConfig, QuantConfig
 from ferrylm.model.attention import AttentionSpec, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
+from ferrylm.model.compiled_step import CompiledDecodeStep
+from ferrylm.model.cpu_threads import configure_cpu_threads
 from ferrylm.model.cuda_graphs import CudaGraphRunner
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
 from ferrylm.scheduler_output import SchedulerOutput
+
+log = logging.getLogger("ferrylm.runner")
 
 
 class TokenLogprobs(NamedTuple):
@@ -38,30 +43,53 @@ class ModelRunner:
     """Everything that touches a tensor. Built once; `execute` is called once per engine step.
 
     `attention`: which backend select_backend picks ("auto" unless a test wants a given one).
+    `quantization`: the parsed --quantization (None: the default, see quant.select_quant_method).
+    `enforce_eager`: no CUDA graphs (CUDA) and no compiled decode step (CPU, compiled_step.py).
     """
 
     def __init__(self, checkpoint: Checkpoint, cache_config: CacheConfig, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto"):
+                 max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto",
+                 quantization: QuantConfig | None = None):
         self.config: ModelConfig = checkpoint.config
         self.device, self.dtype = device, dtype
+        self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
         self.block_size = cache_config.block_size
         spec = AttentionSpec.for_model(self.config, self.block_size, dtype, device)
         self.attn_backend = select_backend(spec, attention)
         self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, self.attn_backend, max_model_len,
-                                                   cpu_fused_ops(device))
+                                                   cpu_fused_ops(device), quantization)
         self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens)
-        # One block past the engine's pool (index num_blocks) takes the writes of CUDA-graph padding rows.
+        # One block past the engine's pool (index num_blocks) takes the writes of CUDA-graph (or
+        # compiled-step) padding rows.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
+        max_blocks = -(-max_model_len // self.block_size)
         self.graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and self.attn_backend.supports_cuda_graphs and not enforce_eager:
-            self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs,
-                                          max_blocks=-(-max_model_len // self.block_size),
+            self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs, max_blocks=max_blocks,
                                           pad_block=self.num_blocks, block_size=self.block_size)
             self.graphs.capture()
+        self.compiled: CompiledDecodeStep | None = None
+        if device.type == "cpu" and hasattr(self.attn_backend, "prepare_decode") and not enforce_eager:
+            self.compiled = self._compile_decode(max_num_seqs, max_blocks)
         self.sampler = Sampler()
         self.states: dict[str, SamplingRequestState] = {}
         self.eos_token_ids = list(self.config.eos_token_ids)
+
+    def _compile_decode(self, max_num_seqs: int, max_blocks: int) -> CompiledDecodeStep | None:
+        """Compile (or load from the disk cache) the decode step of every batch-size bucket now, at
+        start-up. A model that cannot compile as one graph stays eager, with a warning."""
+        step = CompiledDecodeStep(self.model, self.kv_caches, max_num_seqs, max_blocks, pad_block=self.num_blocks,
+                                  block_size=self.block_size)
+        try:
+            report = step.warm_up()
+        except Exception as e:  # noqa: BLE001 - e.g. an op dynamo cannot trace: eager still works
+            log.warning("decode step not compiled, running eagerly (--enforce-eager silences this): %s",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
+        log.info("compiled decode step in %.1f s (batch sizes: %s compiled, %s loaded from %s)", report.seconds,
+                 report.compiled, report.loaded, step.cache_dir)
+        return step
 
     def _blocks_from_budget(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         """KV pool size: `kv_cache_memory` bytes on CPU; on CUDA, what `gpu_memory_utilization` leaves
@@ -94,11 +122,19 @@ class ModelRunner:
         batch = ForwardBatch.build(
             [s.token_ids for s in output.scheduled], [s.num_computed_tokens for s in output.scheduled],
             [s.block_ids for s in output.scheduled], self.block_size, rows, self.device)
-        hidden = self._forward(batch)
+        logits = self._logits(batch, len(rows))
         if not rows:
             return RunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         return self._sample(logits, [output.scheduled[i].request_id for i in rows])
+
+    def _logits(self, batch: ForwardBatch, num_sampled: int) -> torch.Tensor:
+        """float32 logits of the rows in batch.logits_indices (a compiled step computes every row's
+        and keeps those; with no sampled rows the forward still runs, for its K/V writes)."""
+        if self.compiled is not None and self.compiled.can_run(batch):
+            logits = self.compiled.logits(batch)
+            return logits if num_sampled == batch.num_seqs else logits.index_select(0, batch.logits_indices)
+        hidden = self._forward(batch)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states: a graph replay for a decode batch that fits (each graph holds the metadata

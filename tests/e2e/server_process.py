@@ -32,6 +32,8 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="ferrylm-e2e-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "ferrylm.cli", command, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if command == "serve" and not any(a.endswith("enforce-eager") for a in args):
+            cmd.append("--enforce-eager")  # a compiled decode step costs each server seconds to minutes at start
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = self.log_path.open("wb")

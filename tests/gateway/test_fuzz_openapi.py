@@ -89,7 +89,8 @@ def server(tmp_path_factory):
     store.create_tenant("acme")
     key = store.create_key("acme")[1]
     store.close()
-    engine_config = EngineConfig(model=str(directory), dtype="float32", cache=CacheConfig(num_blocks=1024),
+    engine_config = EngineConfig(model=str(directory), dtype="float32", enforce_eager=True,
+                                 cache=CacheConfig(num_blocks=1024),
                                  scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN))
     config = dataclasses.replace(SERVER_CONFIG, log_level="warning",
                                  gateway=GatewayConfig(require_auth=True, state_db=state_db))

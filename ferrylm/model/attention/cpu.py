@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ferrylm.model.attention.base import attn_metadata
-from ferrylm.model.attention.metadata import PagedMetadata, split_batch
+from ferrylm.model.attention.cpu_kernels import CpuKernels
+from ferrylm.model.attention.metadata import DecodeRows, PagedMetadata, split_batch
 from ferrylm.model.attention.torch_native import TorchNativeBackend, write_kv
 from ferrylm.model.forward_batch import ForwardBatch
 
@@ -16,12 +17,18 @@ class CpuBackend:
 
     supports_cuda_graphs = False
 
-    def __init__(self, kernels):
+    def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
         self.fallback = TorchNativeBackend()
 
     def prepare(self, batch: ForwardBatch) -> PagedMetadata:
         return split_batch(batch)
+
+    def prepare_decode(self, batch: ForwardBatch) -> PagedMetadata:
+        """prepare() of a batch known to be decode-only, from its tensors alone (no host lists, no
+        lengths): what compiled_step.py traces once for every batch size."""
+        rows = DecodeRows(batch.query_start_loc[:-1], batch.block_tables, batch.seq_lens, max_seq_len=0)
+        return PagedMetadata(decode_only=True, decode=rows, prefill=())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
@@ -43,8 +50,8 @@ class CpuBackend:
         return out
 
 
-def cpu_fused_ops(device: torch.device):
-    """The compiled CPU extension when running on CPU and it builds; else None (plain torch)."""
+def cpu_fused_ops(device: torch.device) -> CpuKernels | None:
+    """The C++ CPU ops when running on CPU and they build; else None (plain torch)."""
     if device.type != "cpu":
         return None
     from ferrylm.model.attention.cpu_kernels import load_cpu_kernels

@@ -2,6 +2,7 @@
 // the block table (no gather copy). Parallel over (sequence, KV head); each task serves the
 // whole query group of its KV head, so every K/V row is read once. Scores and softmax in fp32.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <math.h>
@@ -85,7 +86,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.dtype() == k_cache.dtype(), "q and cache dtypes differ");
-    auto tables = block_tables.to(torch::kInt64).contiguous();
+  auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
@@ -101,8 +102,18 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 void rope_qkv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                int64_t head_dim);
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
-  m.def("add_rms_norm_", &add_rms_norm_, "In-place fused residual add + RMSNorm (CPU)");
-  m.def("rope_qkv_", &rope_qkv_, "In-place rotate-half RoPE on packed q/k heads (CPU)");
+// Registered as torch ops (torch.ops.ferrylm.*), not pybind functions: torch.compile traces through
+// them (a pybind call would split the compiled step into one graph per layer). Fake (meta) kernels
+// are registered in Python (cpu_kernels.py). FRAGMENT: other extensions may add ops to "ferrylm".
+TORCH_LIBRARY_FRAGMENT(ferrylm, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rope_qkv_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ferrylm, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rope_qkv_", &rope_qkv_);
 }

@@ -1,0 +1,170 @@
+"""Compiled decode steps on CPU: the torch.compile (inductor) analogue of cuda_graphs.py.
+
+At batch 1 a CPU decode step of a small model is mostly per-op overhead: ~15 Python-dispatched
+ops per layer x 30 layers. The whole decode step (embedding, every layer, final norm, LM head) is
+compiled into one inductor graph: elementwise work fused into generated C++, the matmuls and the
+C++ attention / norm / RoPE ops (torch ops, cpu_kernels.py) called from it without Python.
+
+A graph's batch dimension is symbolic, so a few graphs cover 1..max_num_seqs rows: one for a
+single row (its GEMMs are GEMVs) and one for 2..max_num_seqs, split further only where the model
+branches on the batch size (a quantized Linear picking a kernel by row count): each graph's own
+shape guards say which sizes it serves. Unlike CUDA graphs nothing is padded, so every row runs the
+GEMMs eager mode runs and the tokens are the same bit for bit. The step's tensors are copied into
+static buffers whose block-table width is fixed (max_model_len).
+
+Compilation happens in `warm_up` (start-up), never in a request's path: each graph is compiled
+ahead of time (`torch.compile(...).aot_compile`) and saved under the cache directory, keyed by
+everything it depends on (compile_cache.py); a restart loads it without re-tracing the model.
+Prefill, mixed and oversize batches run eagerly. A model that does not trace as one graph (an op
+that is not a torch op) is not compiled at all: a graph split per layer is slower than eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ferrylm.model.compile_cache import compile_cache_dir, inductor_cache_dir, load_step, save_step, step_key
+from ferrylm.model.cuda_graphs import StaticDecodeInputs
+from ferrylm.model.forward_batch import ForwardBatch
+from ferrylm.model.llama import KVCache, LlamaForCausalLM
+
+log = logging.getLogger("ferrylm.compile")
+
+# Inductor options of every compiled step. emulate_precision_casts: round to bf16 where eager
+# rounds (silu(gate) before * up, ...), so compiled tokens equal eager tokens bit for bit. No size
+# or alignment asserts after every op call: ~500 Python calls a step (~0.5 ms at batch 1).
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "size_asserts": False, "alignment_asserts": False}
+MAX_GRAPHS = 6  # sizes a model splits into more ranges than this run eagerly
+
+
+def decode_logits(model: LlamaForCausalLM, kv_caches: list[KVCache], input_ids: torch.Tensor,
+                  positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor) -> torch.Tensor:
+    """float32 logits [B, vocab] of a decode-only batch of B rows: the function that is compiled.
+
+    B may be symbolic, so nothing here builds a Python list of B items: the host-side length lists
+    stay empty and the backend's prepare_decode() derives its metadata from the tensors alone."""
+    num_rows = input_ids.shape[0]
+    rows = torch.arange(num_rows, device=input_ids.device)
+    batch = ForwardBatch(input_ids, positions, slot_mapping, block_tables, seq_lens,
+                         query_start_loc=torch.arange(num_rows + 1, device=input_ids.device), logits_indices=rows,
+                         seq_lens_list=[], query_lens_list=[])
+    batch = batch.with_attn_metadata(model.attn_backend.prepare_decode(batch))
+    return model.compute_logits(model(batch, kv_caches))
+
+
+class SizeRange(NamedTuple):
+    low: int
+    high: int
+    step: Callable[..., torch.Tensor]  # serves batches of low..high rows
+
+    @property
+    def name(self) -> str:
+        return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
+
+
+class WarmUpReport(NamedTuple):
+    seconds: float
+    loaded: list[str]  # graphs read from the cache, by the sizes they serve ("2-64")
+    compiled: list[str]  # graphs compiled (and saved) now
+
+
+class CompiledDecodeStep:
+    """Decode-only batches of up to max_num_seqs rows through compiled graphs.
+
+    `warm_up()` must run first; afterwards `can_run(batch)` says whether `logits(batch)` applies.
+    The attention backend must build a decode-only batch's metadata from tensors (prepare_decode).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], max_num_seqs: int, max_blocks: int,
+                 pad_block: int, block_size: int, cache_dir: Path | None = None):
+        if not hasattr(model.attn_backend, "prepare_decode"):
+            raise ValueError(f"{type(model.attn_backend).__name__} cannot run a compiled decode step")
+        self.model, self.kv_caches = model, kv_caches
+        self.max_num_seqs = max_num_seqs
+        self.inputs = StaticDecodeInputs(max_num_seqs, max_blocks, pad_block, block_size, kv_caches[0][0].device)
+        self.cache_dir = cache_dir or compile_cache_dir()
+        self.ranges: list[SizeRange] = []
+        self.report: WarmUpReport | None = None  # what the last warm_up() did
+
+    def _step_for(self, num_rows: int) -> Callable[..., torch.Tensor] | None:
+        return next((r.step for r in self.ranges if r.low <= num_rows <= r.high), None)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.inputs.fits(batch) and self._step_for(batch.num_seqs) is not None
+
+    def _args(self, num_rows: int) -> tuple:
+        view = self.inputs.view(num_rows)
+        return (self.model, self.kv_caches, view.input_ids, view.positions, view.slot_mapping, view.block_tables,
+                view.seq_lens)
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [num_seqs, vocab], one row per sequence of the decode-only `batch`."""
+        step = self._step_for(batch.num_seqs)
+        if step is None or not self.inputs.fits(batch):
+            raise ValueError(f"no compiled step for a batch of {batch.num_seqs} rows")
+        self.inputs.fill(batch, batch.num_seqs)
+        return step(*self._args(batch.num_seqs))
+
+    @torch.inference_mode()
+    def warm_up(self) -> WarmUpReport:
+        """Load or compile graphs from the largest batch down until every size has one (or
+        MAX_GRAPHS are made); each runs once on padding rows (length 1, the pad slot). Raises when
+        the model does not trace as one graph."""
+        start, loaded, compiled, ranges = time.perf_counter(), [], [], []
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        high = self.max_num_seqs
+        with inductor_cache_dir(self.cache_dir / "inductor"):
+            while high >= 1 and len(ranges) < MAX_GRAPHS:
+                key = step_key(self.model, self.kv_caches, self._args(high)[2:],
+                               {**INDUCTOR_OPTIONS, "high": high, "max": self.max_num_seqs})
+                path = self.cache_dir / f"decode-{key}.bin"
+                step = load_step(path, self._args(high), globals())
+                done = loaded if step is not None else compiled
+                if step is None:
+                    log.info("compiling the decode step for up to %d rows (once: cached in %s)", high, self.cache_dir)
+                    step = _compile(self._args(high), path)
+                ranges.append(SizeRange(self._lowest_accepted(step, high), high, step))
+                done.append(ranges[-1].name)
+                step(*self._args(high))
+                high = ranges[-1].low - 1
+        self.ranges = ranges
+        self.report = WarmUpReport(time.perf_counter() - start, loaded, compiled)
+        return self.report
+
+    def _lowest_accepted(self, step, high: int) -> int:
+        """The smallest size from which the step's guards accept every size up to `high`."""
+        low = high
+        while low > 1 and step.guard_check(*self._args(low - 1)):
+            low -= 1
+        step.disable_guard_check()  # checked here, per size; evaluating guards each step costs ~1 ms
+        return low
+
+
+def _compile(args: tuple, path: Path):
+    """Trace and compile decode_logits with the batch dim symbolic (its size, args', the hint inductor
+    tunes for); save the result to `path`. Guards narrow the sizes it serves where the model
+    branches on the batch size. Marks the input views it is given."""
+    if args[2].shape[0] > 1:
+        for t in args[2:]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    fn = torch.compile(decode_logits, fullgraph=True, dynamic=None,
+                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": _guard_filter})
+    step = fn.aot_compile((args, {}))
+    save_step(step, path)
+    return step
+
+
+def _guard_filter(entries: list) -> list[bool]:
+    """Keep dynamo's guards on grad mode, symbolic sizes and the shapes of the KV caches, buffers
+    and inputs; drop those on every parameter and module attribute. step_key already pins the module
+    tree and every tensor's shape, and thousands of guards take ~1 s to rebuild when loading."""
+    return [e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV") or (
+        e.guard_type == "TENSOR_MATCH" and not e.is_global and not isinstance(e.value, torch.nn.Parameter))
+        for e in entries]

@@ -1,0 +1,44 @@
+"""Quantized Linear weights: the QuantMethod seam and the one place that picks a method."""
+
+from __future__ import annotations
+
+import torch
+
+from ferrylm.config import ConfigError, QuantConfig
+from ferrylm.model.quant.base import QuantMethod, StoredWeightMethod, UnquantizedMethod
+
+
+def select_quant_method(quant: QuantConfig | None, checkpoint_kind: str, device: torch.device,
+                        dtype: torch.dtype) -> QuantMethod:
+    """The method for --quantization `quant` (None: the default) on a checkpoint of `checkpoint_kind`
+    ("gguf" | "hf" | ...). Raises ConfigError, naming the flag, for what cannot run here.
+
+    Default: a GGUF file keeps its blocks packed where FerryLM has a packed kernel (the CPU, when the
+    C++ extension builds); everything else loads unquantized, as vLLM does for safetensors.
+    """
+    from ferrylm.model.quant.kernels import load_quant_kernels
+
+    kernels = load_quant_kernels() if device.type == "cpu" else None
+    if quant is None:
+        quant = QuantConfig("gguf" if checkpoint_kind == "gguf" and kernels is not None else "none")
+    if quant.method == "none":
+        return UnquantizedMethod()
+    if quant.method == "gguf":
+        if checkpoint_kind != "gguf":
+            raise ConfigError(f"--quantization gguf keeps a GGUF file's blocks, but this checkpoint is "
+                              f"{checkpoint_kind!r}; use int8 or int4 to quantize it at load")
+        from ferrylm.model.quant.gguf import GGUFPacked
+
+        return GGUFPacked(kernels, dtype)
+    if quant.method == "fp8":
+        from ferrylm.model.quant.fp8 import Fp8W8A8
+
+        return Fp8W8A8(device)
+    from ferrylm.model.quant.weight_only import Int4WeightOnly, Int8WeightOnly
+
+    if quant.method == "int8":
+        return Int8WeightOnly(kernels)
+    return Int4WeightOnly(quant.group_size or 32, kernels)
+
+
+__all__ = ["ConfigError", "QuantMethod", "StoredWeightMethod", "UnquantizedMethod", "select_quant_method"]

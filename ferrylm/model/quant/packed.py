@@ -1,0 +1,141 @@
+"""Weights a quantized Linear keeps after loading, each with matmul / dequantize / embed.
+
+PackedWeight is the CPU kernel's layout (layout.py): codes plus a scale (and min) per group. Its
+dequantize() is the plain-torch twin every matmul path is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrylm.model.quant.layout import dequantize_packed
+
+# Which path multiplies M activation rows (measured on SmolLM2 shapes with bench/quant_matmul.py, on
+# this project's 2-core AVX-512 / AMX CPU):
+#   M <= SMALL_M: the packed kernel (exact fp32 weights, FMAs; bandwidth-bound decode);
+#   M <= AMX_M, bf16 activations, AMX present: 32 rows of W at a time unpacked to bf16 in cache and
+#       multiplied on AMX tiles (faster than torch's bf16 GEMM there, and no bf16 weight in memory);
+#   otherwise: panels of W unpacked to the activation dtype into a reused buffer, torch's GEMM.
+SMALL_M = 4
+AMX_M = 64
+# Rows of W unpacked per GEMM call on the last path (lm_head whole would be 56 MB per call).
+PANEL_ROWS = 16384
+
+
+class UnpackBuffer:
+    """The scratch tensor the large-batch path unpacks weight panels into, shared by every layer of one
+    model (layers run one at a time). Reusing it spares each step the page faults of fresh memory."""
+
+    def __init__(self):
+        self._flat: torch.Tensor | None = None
+
+    def get(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        flat = self._flat
+        if flat is None or flat.numel() < rows * cols or flat.dtype != dtype or flat.device != device:
+            flat = self._flat = torch.empty(rows * cols, dtype=dtype, device=device)
+        return flat[:rows * cols].view(rows, cols)
+
+
+class PackedWeight(nn.Module):
+    """W [out, in] as `codes` (uint8: q4 nibbles or int8) and `scales` / `mins` per `group` inputs.
+
+    `kernels`: the compiled extension (quant/kernels.py) or None, then every call takes the twin.
+    `buffer`: where the large-batch path unpacks panels (one per model; a private one if None).
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int,
+                 q4: bool, kernels=None, buffer: UnpackBuffer | None = None):
+        super().__init__()
+        self.buffer = buffer if buffer is not None else UnpackBuffer()
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("mins", None if mins is None else mins.contiguous())
+        self.group, self.q4, self.kernels = group, q4, kernels
+        self.out_features = codes.shape[0]
+        self.in_features = codes.shape[1] * (2 if q4 else 1)
+
+    def extra_repr(self) -> str:
+        kind = "q4" if self.q4 else "q8"
+        return (f"{kind}, out={self.out_features}, in={self.in_features}, group={self.group}, "
+                f"scales={self.scales.dtype}, mins={self.mins is not None}, kernel={self.kernels is not None}")
+
+    def _kernel_ok(self, x: torch.Tensor) -> bool:
+        return self.kernels is not None and x.device.type == "cpu" and self.in_features % 32 == 0
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] → [M, out] in x's dtype."""
+        if not self._kernel_ok(x):
+            return F.linear(x, self.dequantize(x.dtype))
+        m = x.shape[0]
+        if m <= SMALL_M:
+            return self.kernels.quant_linear(x, self.codes, self.scales, self.mins, self.group, self.q4)
+        if m <= AMX_M and x.dtype == torch.bfloat16 and self.kernels.has_amx:
+            return self.kernels.quant_linear_amx(x, self.codes, self.scales, self.mins, self.group, self.q4)
+        if self.out_features <= PANEL_ROWS:
+            return F.linear(x, self._unpack(slice(None), x.dtype))
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        for start in range(0, self.out_features, PANEL_ROWS):
+            rows = slice(start, start + PANEL_ROWS)
+            out[:, rows] = F.linear(x, self._unpack(rows, x.dtype))
+        return out
+
+    def _unpack(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        codes = self.codes[rows]
+        mins = None if self.mins is None else self.mins[rows]
+        if torch.compiler.is_compiling():  # a traced graph allocates its own; no shared Python state
+            return self.kernels.dequantize(codes, self.scales[rows], mins, self.group, self.q4, dtype)
+        panel = self.buffer.get(codes.shape[0], self.in_features, dtype, codes.device)
+        self.kernels.dequantize_into(codes, self.scales[rows], mins, self.group, self.q4, panel)
+        return panel
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out, in] (plain torch): scale * q + min per group."""
+        return dequantize_packed(self.codes, self.scales, self.mins, self.group, self.q4).to(dtype)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of W, unpacked: a tied embedding looks tokens up here (no float table kept)."""
+        mins = None if self.mins is None else self.mins.index_select(0, ids)
+        codes, scales = self.codes.index_select(0, ids), self.scales.index_select(0, ids)
+        if self._kernel_ok(ids):
+            return self.kernels.dequantize(codes, scales, mins, self.group, self.q4, dtype)
+        return dequantize_packed(codes, scales, mins, self.group, self.q4).to(dtype)
+
+
+class FloatWeight(nn.Module):
+    """A plain float weight behind the same interface (a GGUF F16/F32 tensor inside a packed model)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.contiguous())
+        self.out_features, self.in_features = weight.shape
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.embedding(ids, self.weight).to(dtype)
+
+
+class SegmentedWeight(nn.Module):
+    """Row ranges of one Linear stored in different formats (a GGUF file that quantizes q, k and v of a
+    packed qkv projection differently); outputs are concatenated along the output features."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts], dim=0)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.embedding(ids, self.dequantize(dtype))  # not a layout an embedding uses in practice

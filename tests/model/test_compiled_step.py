@@ -1,0 +1,142 @@
+"""The compiled CPU decode step (model/compiled_step.py) on a tiny random Llama in bf16: the same
+greedy tokens as eager mode over batch sizes that hit both graphs, a restart that loads the
+compiled graphs from the disk cache instead of compiling, and enforce_eager turning it off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrylm.config import CacheConfig
+from ferrylm.model.attention.cpu_kernels import load_cpu_kernels
+from ferrylm.model.loader import Checkpoint
+from ferrylm.model.model_source import resolve_model
+from ferrylm.model.runner import ModelRunner
+from ferrylm.sampling_params import SamplingParams
+from ferrylm.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from tests.model.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="C++ toolchain unavailable: nothing compiles")
+
+BLOCK, BLOCKS_PER_SEQ, MAX_SEQS, MAX_LEN = 16, 4, 4, 64
+
+RUNNER_SCRIPT = """
+import json, sys
+import torch
+from ferrylm.config import CacheConfig
+from ferrylm.model.loader import Checkpoint
+from ferrylm.model.model_source import resolve_model
+from ferrylm.model.runner import ModelRunner
+runner = ModelRunner(Checkpoint(resolve_model(sys.argv[1])), CacheConfig(block_size=16, num_blocks=32),
+                     torch.bfloat16, torch.device("cpu"), 64, max_num_seqs=4)
+report = runner.compiled.report
+print(json.dumps({"loaded": report.loaded, "compiled": report.compiled, "seconds": report.seconds}))
+"""
+
+
+def _runner(directory: Path, enforce_eager: bool) -> ModelRunner:
+    return ModelRunner(Checkpoint(resolve_model(str(directory))), CacheConfig(block_size=BLOCK, num_blocks=32),
+                       torch.bfloat16, torch.device("cpu"), MAX_LEN, max_num_seqs=MAX_SEQS, enforce_eager=enforce_eager)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("compiled") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ferrylm-cache")
+
+
+@pytest.fixture(scope="module")
+def runners(tiny, cache_dir):
+    """(compiled, eager) runners on the same checkpoint; the compiled one fills `cache_dir`."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FERRYLM_CACHE_DIR", str(cache_dir))
+    try:
+        compiled = _runner(tiny, enforce_eager=False)
+    finally:
+        mp.undo()
+    assert compiled.compiled is not None, "the decode step did not compile (see the warning logged)"
+    return compiled, _runner(tiny, enforce_eager=True)
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: list[int], tag: str) -> list[list[int]]:
+    """Prefill every prompt in one step, then decode until each has max_tokens; requests finish at
+    different steps, so the decode batch shrinks as it goes. Disjoint block tables per request."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    tables = {rid: list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i, rid in enumerate(ids)}
+    params = SamplingParams(temperature=0.0, max_tokens=max(max_tokens))
+    out = {rid: [] for rid in ids}
+    prefill = [ScheduledRequest(rid, p, 0, tables[rid], True) for rid, p in zip(ids, prompts)]
+    sched = SchedulerOutput(prefill, [NewRequestData(rid, p, params) for rid, p in zip(ids, prompts)], [],
+                            sum(map(len, prompts)))
+    while sched.scheduled:
+        for rid, token in runner.execute(sched).sampled.items():
+            out[rid].append(token)
+        live = [(rid, p, n) for rid, p, n in zip(ids, prompts, max_tokens) if len(out[rid]) < n]
+        step = [ScheduledRequest(rid, [out[rid][-1]], len(p) + len(out[rid]) - 1, tables[rid], True)
+                for rid, p, _ in live]
+        done = [rid for rid, _, n in zip(ids, prompts, max_tokens) if len(out[rid]) == n]
+        sched = SchedulerOutput(step, [], done, len(step))
+    return [out[rid] for rid in ids]
+
+
+def test_compiled_tokens_equal_eager(runners, monkeypatch):
+    compiled, eager = runners
+    calls: list[int] = []
+    step = compiled.compiled
+    original = step.logits
+    monkeypatch.setattr(step, "logits", lambda batch: calls.append(batch.num_seqs) or original(batch))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 17, 30, 1)]
+    cases = [(prompts[:1], [12]), (prompts, [9, 14, 4, 11]), (prompts[1:3], [6, 6])]
+    for i, (group, max_tokens) in enumerate(cases):
+        want = _greedy(eager, group, max_tokens, f"e{i}")
+        got = _greedy(compiled, group, max_tokens, f"c{i}")
+        assert got == want
+    # Every decode step went through a compiled graph, none eagerly: 11 steps of 1 row; 3 of 4, 5 of
+    # 3, 2 of 2 and 3 of 1 as the four requests finish; 5 of 2. Sizes 1 (its own graph) and 2..4.
+    assert len(calls) == 11 + 13 + 5
+    assert set(calls) == {1, 2, 3, 4}
+
+
+def test_restart_loads_the_compile_cache(runners, tiny, cache_dir):
+    compiled, _ = runners
+    assert compiled.compiled.report.compiled == ["2-4", "1"]  # a fresh cache: both compiled
+    files = {p: p.stat().st_mtime_ns for p in (cache_dir / "compiled").glob("decode-*.bin")}
+    assert len(files) == 2
+    env = {**os.environ, "FERRYLM_CACHE_DIR": str(cache_dir)}
+    proc = subprocess.run([sys.executable, "-c", RUNNER_SCRIPT, str(tiny)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["compiled"] == [] and report["loaded"] == ["2-4", "1"], proc.stderr[-3000:]
+    assert report["seconds"] < compiled.compiled.report.seconds  # loading beats compiling
+    assert {p: p.stat().st_mtime_ns for p in (cache_dir / "compiled").glob("decode-*.bin")} == files
+
+
+def test_enforce_eager_compiles_nothing(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    runner = _runner(tiny, enforce_eager=True)
+    assert runner.compiled is None
+    assert not (tmp_path / "compiled").exists()
+    out = _greedy(runner, [[5, 6, 7]], [3], "x")
+    assert len(out[0]) == 3
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    import argparse
+
+    from ferrylm.cli import _add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    _add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
