@@ -36,19 +36,29 @@ class ModelConfig:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
 
+# --kv-cache-dtype, vLLM's values plus int8: "auto" stores K/V in the model's dtype; "fp8" is e4m3.
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: block size, pool size (explicit or from a memory budget), prefix caching."""
+    """Paged KV cache: block size, pool size (explicit or from a memory budget), prefix caching, and
+    the dtype K/V are stored in (`cache_dtype`, --kv-cache-dtype: 1-byte fp8 / int8 codes hold twice
+    the tokens of bf16 in the same kv_cache_memory; model/attention/kv_quant.py has the layout)."""
 
     block_size: int = 16
     num_blocks: int | None = None  # derived from kv_cache_memory when None
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool on CPU
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ConfigError(f"--kv-cache-dtype {self.cache_dtype!r} is not supported; choose one of "
+                              f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
 
 
 @dataclass(frozen=True)

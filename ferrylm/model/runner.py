@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.config import CacheConfig, ModelConfig, QuantConfig
-from ferrylm.model.attention import AttentionSpec, select_backend
+from ferrylm.config import CacheConfig, ConfigError, ModelConfig, QuantConfig
+from ferrylm.model.attention import AttentionSpec, kv_quant, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
 from ferrylm.model.compiled_step import CompiledDecodeStep
 from ferrylm.model.cpu_threads import configure_cpu_threads
@@ -34,9 +34,13 @@ class RunnerOutput(NamedTuple):
     logprobs: dict[str, TokenLogprobs]  # only for requests that asked for logprobs
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
+    """Bytes one block takes in every layer's K and V: `dtype` elements for "auto", else 1-byte codes
+    plus their scales (int8: a float16 per token and KV head; fp8's per-tensor scale is not per block)."""
+    storage = kv_quant.storage_dtype(cache_dtype, dtype)
+    codes = block_size * config.num_kv_heads * config.head_dim * storage.itemsize
+    scales = kv_quant.scale_bytes_per_block(block_size, config.num_kv_heads, storage)
+    return 2 * config.num_layers * (codes + scales)
 
 
 class ModelRunner:
@@ -45,6 +49,8 @@ class ModelRunner:
     `attention`: which backend select_backend picks ("auto" unless a test wants a given one).
     `quantization`: the parsed --quantization (None: the default, see quant.select_quant_method).
     `enforce_eager`: no CUDA graphs (CUDA) and no compiled decode step (CPU, compiled_step.py).
+    `cache_config.cache_dtype`: "auto" keeps K/V in `dtype`; fp8 / int8 (kv_quant.py) need a backend
+    with `supports_quantized_kv` (torch-native, CPU and Triton have it).
     """
 
     def __init__(self, checkpoint: Checkpoint, cache_config: CacheConfig, dtype: torch.dtype,
@@ -55,8 +61,12 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
         self.block_size = cache_config.block_size
+        self.cache_dtype = cache_config.cache_dtype
         spec = AttentionSpec.for_model(self.config, self.block_size, dtype, device)
         self.attn_backend = select_backend(spec, attention)
+        if self.cache_dtype != "auto" and not getattr(self.attn_backend, "supports_quantized_kv", False):
+            raise ConfigError(f"--kv-cache-dtype {self.cache_dtype} is not supported by the "
+                              f"{type(self.attn_backend).__name__} attention backend; use --kv-cache-dtype auto")
         self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, self.attn_backend, max_model_len,
                                                    cpu_fused_ops(device), quantization)
         self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens)
@@ -94,7 +104,7 @@ class ModelRunner:
     def _blocks_from_budget(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         """KV pool size: `kv_cache_memory` bytes on CPU; on CUDA, what `gpu_memory_utilization` leaves
         after the weights and an activation reserve for the largest step."""
-        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype, self.cache_dtype)
         budget = cache_config.kv_cache_memory
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -106,9 +116,11 @@ class ModelRunner:
         return max(1, budget // per_block)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+        """Per layer (k_cache, v_cache); quantized ones carry their scales after the codes (kv_quant.py)."""
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.config.num_layers)]
+        dtype = kv_quant.storage_dtype(self.cache_dtype, self.dtype)
+        return [(kv_quant.allocate(shape, dtype, self.device), kv_quant.allocate(shape, dtype, self.device))
+                for _ in range(self.config.num_layers)]
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:

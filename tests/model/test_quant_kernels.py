@@ -3,7 +3,9 @@
 Tolerances: with fp32 activations the packed kernel multiplies the exact fp32 weight values, so it
 agrees with the twin (fp32 F.linear on dequantize()) to 1e-5 of the output's magnitude (summation
 order only). With bf16 activations the outputs are bf16 (8 significant bits) and the AMX / GEMM paths
-round the unpacked weights to bf16 as the dequantized bf16 model does: 2e-2 of the magnitude.
+round the unpacked weights to bf16 as the dequantized bf16 model does: 2e-2 of the magnitude. The
+decode path for bf16 activations (1..4 rows, vnni_gemv.cpp) also rounds x to int8 per 32-element block,
+as llama.cpp does; test_vnni_path_error_is_bounded_by_activation_rounding states its own bound.
 """
 
 from __future__ import annotations
@@ -204,3 +206,41 @@ def test_default_model_tensors_repack_losslessly():
                     assert_close_to_twin(weight, torch.randn(rows, weight.in_features, generator=gen).to(dtype))
         ids = torch.tensor([0, 5, 123, weight.out_features - 1])
         assert torch.equal(weight.embed(ids, torch.float32), weight.dequantize()[ids])
+
+
+@requires_kernels
+@pytest.mark.skipif(KERNELS is None or not KERNELS.has_vnni, reason="built without AVX512-VNNI")
+@pytest.mark.parametrize("kind", ["q4_1", "q4_g64_fp32", "q8_0", "q8_channel"])
+def test_vnni_path_error_is_bounded_by_activation_rounding(kind):
+    """quant_linear_vnni vs the twin: x is rounded to int8 per block of 32 (|error| <= amax_block / 254
+    per element), so |y - twin| <= sum over k of |w_k| * amax(block of k) / 254, plus bf16 output
+    rounding (2^-8 of |y|). Checked per output element, for 1..4 rows and odd block counts (K = 96),
+    and the fp32 result equals the dequantized weight times the rounded x (mins included)."""
+    gen = torch.Generator().manual_seed(7)
+    for k in ((192, 96) if kind != "q4_g64_fp32" else (192, 128)):
+        w = _random_packed(kind, 50, k, gen)
+        if w.group % 64 and w.group != 32:
+            continue
+        dense = w.dequantize(torch.float32)
+        for m in (1, 2, 3, 4):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            got = KERNELS.quant_linear_vnni(x, w.codes, w.scales, w.mins, w.group, w.q4)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, 50)
+            ref = F.linear(x.float(), dense)
+            amax = x.float().reshape(m, -1, 32).abs().amax(-1).repeat_interleave(32, 1)  # [m, k]
+            bound = (amax / 254) @ dense.abs().t() + ref.abs() * 2 ** -8 + 1e-6
+            assert ((got.float() - ref).abs() <= bound * 1.01).all(), kind
+            xf = x.float().reshape(m, -1, 32)  # rounded as the kernel does: x * (127 / amax), to nearest even
+            amax_b = xf.abs().amax(-1, keepdim=True)
+            # torch.full_like / t, not 127 / t: torch computes the latter as a reciprocal times 127
+            inv = torch.where(amax_b > 0, torch.full_like(amax_b, 127) / amax_b.clamp(min=1e-30), 0.0)
+            rounded = (torch.round(xf * inv) * (amax_b / 127)).reshape(m, k)
+            exact = F.linear(rounded, dense)
+            got32 = KERNELS.quant_linear_vnni(x.float(), w.codes, w.scales, w.mins, w.group, w.q4)
+            assert (got32 - exact).abs().max() <= 1e-5 * exact.abs().max(), kind
+            assert_close_to_twin(w, x)  # and PackedWeight.matmul takes it within the general tolerance
+    if kind == "q8_channel":  # K = 96 per channel: a group that is neither 32 nor a multiple of 64
+        w = _random_packed(kind, 50, 96, gen)
+        assert not w._vnni_ok(x)
+        with pytest.raises(RuntimeError, match="group 96 unsupported"):
+            KERNELS.quant_linear_vnni(x[:, :96].contiguous(), w.codes, w.scales, w.mins, w.group, w.q4)

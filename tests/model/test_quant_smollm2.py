@@ -6,12 +6,15 @@ batch-1 packed kernel runs every decode step):
   values the dequantized model holds, so greedy output is identical. The default LLM is packed, so the
   session fixture llm_fp32 is too: test_smollm2_reference and test_engine_exactness check it against
   transformers on every prompt; here we check that it really is packed.
-- bf16 activations: the dequantized model rounds every weight to bf16, the packed kernel does not; both
-  round activations to bf16, which dominates. After a near-tie the two runs may take different tokens
-  (measured: 4 of 9 prompts identical over 32 tokens, the others diverging after 8 to 28 tokens, and each
-  agreeing with the fp32 run about as often as the other: 5 of 9 both). We require what held there (all
-  first 4 tokens equal, at least 4 prompts identical) and rely on test_quant_perplexity for
-  "harmless": perplexity over 2,000+ tokens within 1% of the dequantized bf16 model.
+- bf16 activations: the dequantized model rounds every weight to bf16; the packed model does not, and
+  its decode path (1..4 rows, vnni_gemv.cpp) rounds activations to int8 per 32-element block, as
+  llama.cpp does. After a near-tie the two runs may take different tokens (measured with the exact
+  fp32-FMA kernel: 4 of 9 prompts identical over 32 tokens; with the VNNI path: 3 of 9), so a count of
+  identical prompts moves with any kernel's rounding and is not what is asserted. Asserted instead: the
+  first 4 tokens of every prompt are equal, and wherever a packed run first parts from the dequantized
+  run (same context so far), its token is among the dequantized run's top 5 within NEAR_TIE nats of the
+  dequantized choice: the runs only part at near-ties. "Harmless" is test_quant_perplexity's bar:
+  perplexity over 2,000+ tokens within 1% of the dequantized bf16 model.
 """
 
 from __future__ import annotations
@@ -25,17 +28,24 @@ from tests.model.prompts import CHAT_PROMPTS
 pytestmark = requires_smollm2
 
 NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def _greedy_alone(quantization: str | None, prompts: list[list[int]]) -> list[list[int]]:
-    """Each prompt decoded on its own (max_num_seqs=1): every decode step is one activation row."""
+NEAR_TIE = 0.75  # nats between the dequantized run's choice and the packed run's, where they part
+
+
+def _greedy_alone(quantization: str | None, prompts: list[list[int]],
+                  logprobs: int | None = None) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
+    """Each prompt decoded on its own (max_num_seqs=1): every decode step is one activation row.
+    Returns the tokens and, when asked, each step's top `logprobs` alternatives (token -> logprob)."""
     from ferrylm import LLM
 
     llm = LLM("smollm2-135m", dtype="bfloat16", quantization=quantization, max_num_seqs=1,
               kv_cache_memory=64 << 20, enforce_eager=True)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    tops = [[{t: getattr(lp, "logprob", lp) for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]
+            for o in outs]
+    return [list(o.outputs[0].token_ids) for o in outs], tops
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +65,12 @@ def test_default_gguf_model_is_kept_packed(llm_fp32):
 
 def test_greedy_packed_vs_dequantized_bf16(prompt_ids):
     assert len(prompt_ids) >= 8
-    packed = _greedy_alone(None, prompt_ids)
-    dequantized = _greedy_alone("none", prompt_ids)
+    packed, _ = _greedy_alone(None, prompt_ids)
+    dequantized, tops = _greedy_alone("none", prompt_ids, logprobs=5)
     prefixes = [next((i for i, (a, b) in enumerate(zip(p, d)) if a != b), NEW_TOKENS)
                 for p, d in zip(packed, dequantized)]
     assert min(prefixes) >= 4, prefixes
-    assert sum(n == NEW_TOKENS for n in prefixes) >= 4, prefixes
+    for prompt, (p, d, top, i) in enumerate(zip(packed, dequantized, tops, prefixes)):
+        if i < NEW_TOKENS:
+            assert p[i] in top[i], (prompt, i, p[i], top[i])
+            assert top[i][d[i]] - top[i][p[i]] <= NEAR_TIE, (prompt, i, top[i][d[i]] - top[i][p[i]])

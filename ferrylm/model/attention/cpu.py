@@ -1,9 +1,14 @@
-"""CPU backend: C++ paged decode kernel for single-token queries, torch-native for prefill chunks."""
+"""CPU backend: C++ paged decode kernel for single-token queries, torch-native for prefill chunks.
+
+A quantized KV cache (fp8 / int8, kv_quant.py) is written by a C++ op (a torch op, so the
+compiled decode step traces through it) and read in place by the decode kernel; prefill chunks
+gather and dequantize it in torch."""
 
 from __future__ import annotations
 
 import torch
 
+from ferrylm.model.attention import kv_quant
 from ferrylm.model.attention.base import attn_metadata
 from ferrylm.model.attention.cpu_kernels import CpuKernels
 from ferrylm.model.attention.metadata import DecodeRows, PagedMetadata, split_batch
@@ -16,6 +21,7 @@ class CpuBackend:
     their matmuls in plain torch, where the GEMM already runs near the machine's peak."""
 
     supports_cuda_graphs = False
+    supports_quantized_kv = True  # fp8 / int8 caches (kv_quant.py)
 
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
@@ -33,7 +39,10 @@ class CpuBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         meta = attn_metadata(batch, PagedMetadata)
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if kv_quant.is_quantized(k_cache):
+            self.kernels.write_kv_quant_(k, v, k_cache, v_cache, batch.slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if meta.decode_only:
             return self.kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, batch.block_tables,
                                                        batch.seq_lens, scale)

@@ -1,6 +1,7 @@
 """Loads the C++ CPU kernels (built once with torch's extension tools, cached on disk) as torch ops.
 
-The library registers `torch.ops.ferrylm.{paged_decode_attention, add_rms_norm_, rope_qkv_}`
+The library registers `torch.ops.ferrylm.{paged_decode_attention, add_rms_norm_, rope_qkv_,
+write_kv_quant_}`
 (TORCH_LIBRARY_FRAGMENT in csrc/paged_decode.cpp); their fake kernels, registered here, give
 torch.compile the output shapes, so a compiled decode step traces through them as one graph.
 If no compiler is available the build fails once and callers fall back to plain torch.
@@ -29,6 +30,8 @@ class CpuKernels(NamedTuple):
     paged_decode_attention: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, block_tables, seq_lens, scale)
     add_rms_norm_: Callable[..., None]  # (x, residual, weight, eps): x <- norm(x + residual), residual <- sum
     rope_qkv_: Callable[..., None]  # (qkv, positions, cos, sin, heads, head_dim), in place
+    # (k, v, k_cache, v_cache, slot_mapping): quantize rows into an fp8 / int8 cache (kv_quant.py layout)
+    write_kv_quant_: Callable[..., None]
 
 
 def _register_fakes() -> None:
@@ -38,6 +41,7 @@ def _register_fakes() -> None:
             torch.empty_like(q),
         "ferrylm::add_rms_norm_": lambda x, residual, weight, eps: None,
         "ferrylm::rope_qkv_": lambda qkv, positions, cos, sin, heads, head_dim: None,
+        "ferrylm::write_kv_quant_": lambda k, v, k_cache, v_cache, slot_mapping: None,
     }
     for name, fake in fakes.items():
         try:
@@ -62,4 +66,5 @@ def load_cpu_kernels() -> CpuKernels | None:
         log.warning("CPU attention kernel unavailable, using plain torch: %s", e)
         return None
     ops = torch.ops.ferrylm
-    return CpuKernels(ops.paged_decode_attention.default, ops.add_rms_norm_.default, ops.rope_qkv_.default)
+    return CpuKernels(ops.paged_decode_attention.default, ops.add_rms_norm_.default, ops.rope_qkv_.default,
+                      ops.write_kv_quant_.default)

@@ -1,10 +1,15 @@
-"""Plain-torch paged attention: the CPU path and the oracle every kernel is tested against."""
+"""Plain-torch paged attention: the CPU path and the oracle every kernel is tested against.
+
+A quantized cache (fp8 / int8, kv_quant.py) is quantized as rows are written and dequantized to
+the query's dtype as blocks are read, so attention itself always runs in the model's dtype.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ferrylm.model.attention import kv_quant
 from ferrylm.model.attention.base import attn_metadata
 from ferrylm.model.attention.metadata import DecodeRows, PagedMetadata, split_batch
 from ferrylm.model.forward_batch import ForwardBatch
@@ -13,15 +18,30 @@ from ferrylm.model.forward_batch import ForwardBatch
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows into their cache slots (block_id * block_size + offset)."""
+    if kv_quant.is_quantized(k_cache):
+        kv_quant.write(k, k_cache, slot_mapping)
+        kv_quant.write(v, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first `length` cached rows, [length, Hkv, D]."""
+def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[blocks] ([*blocks.shape, block_size, Hkv, D]), dequantized to `dtype` if quantized."""
+    return kv_quant.read_blocks(cache, blocks, dtype) if kv_quant.is_quantized(cache) else cache[blocks]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One sequence's first `length` cached rows, [length, Hkv, D]; a quantized cache's dequantized
+    to `dtype` (required then: the model's dtype)."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
+    if kv_quant.is_quantized(cache):
+        if dtype is None:
+            raise ValueError("gather_kv of a quantized KV cache needs the dtype to dequantize to")
+        return kv_quant.read_blocks(cache, block_table[:num_blocks], dtype).flatten(0, 1)[:length]
     rows = cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)
     return rows[:length]
 
@@ -42,6 +62,7 @@ class TorchNativeBackend:
     """Decodes are attended together in one batched call; each prefill chunk on its own."""
 
     supports_cuda_graphs = False
+    supports_quantized_kv = True  # fp8 / int8 caches (kv_quant.py)
 
     def prepare(self, batch: ForwardBatch) -> PagedMetadata:
         return split_batch(batch)
@@ -67,8 +88,8 @@ class TorchNativeBackend:
         num_rows = rows.token_idx.shape[0]
         num_blocks = (rows.max_seq_len + block_size - 1) // block_size
         tables = rows.block_tables[:, :num_blocks]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        keys = read_blocks(k_cache, tables, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+        values = read_blocks(v_cache, tables, q.dtype).flatten(1, 2).transpose(1, 2)
         qb = q.index_select(0, rows.token_idx)  # [B, H, D]
         qb = qb.view(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
         positions = torch.arange(keys.shape[2], device=q.device)
@@ -85,8 +106,8 @@ class TorchNativeBackend:
         mid-sequence (prefix-cache hit, chunked prefill) gets the offset causal `mask` that
         prepare() built for the step (metadata.causal_mask); None when n == seq_len.
         """
-        keys = gather_kv(k_cache, table, seq_len).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        values = gather_kv(v_cache, table, seq_len).transpose(0, 1).unsqueeze(0)
+        keys = gather_kv(k_cache, table, seq_len, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        values = gather_kv(v_cache, table, seq_len, q.dtype).transpose(0, 1).unsqueeze(0)
         queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if mask is None:
             o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)

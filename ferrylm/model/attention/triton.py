@@ -9,6 +9,13 @@ Grouped-query attention is packed: the G query heads that share a KV head are ro
 tile, so each K/V row is loaded once per group. Row r of a prefill tile is query token r // G_PAD,
 head r % G_PAD of the group. Query i of sequence b sits at position seq_len - query_len + i (this
 covers prefix-cache hits and chunked prefill) and sees keys 0..position.
+
+Quantized caches (--kv-cache-dtype, layout in kv_quant.py) are told apart by the cache pointer's
+element type (8-bit: int8, fp8e4nv, fp8e5; a compile-time branch, one specialisation each): the write kernel
+quantizes (fp8: x / per-tensor scale, saturated; int8: fp16 amax / 127 per (token, KV head) row,
+codes rounded half to even, as kv_quant.quantize), the attention kernels dequantize each K/V tile
+right after loading it (codes times scale, in the query's dtype). The scale pointers of a plain
+cache are the caches themselves, never read.
 """
 
 # No `from __future__ import annotations`: triton reads the kernels' `tl.constexpr` annotations.
@@ -18,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from ferrylm.model.attention import kv_quant
 from ferrylm.model.attention.base import AttentionSpec, attn_metadata
 from ferrylm.model.forward_batch import ForwardBatch
 
@@ -48,11 +56,30 @@ def _pow2(n: int, minimum: int = 1) -> int:
 if triton is not None:
 
     @triton.jit
-    def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    def _quantize_rows(x, cache_ptr, scale_ptr, slot, h, mask, NUM_KV_HEADS: tl.constexpr):
+        """Codes of one token's [HKV_PAD, D_PAD] rows for `cache_ptr`'s type; int8 also stores the
+        fp16 row scales."""
+        ty = cache_ptr.dtype.element_ty
+        x = tl.where(mask, x.to(tl.float32), 0.0)
+        if ty == tl.int8:
+            s16 = (tl.max(tl.abs(x), 1) / 127.0).to(tl.float16)
+            tl.store(scale_ptr + slot * NUM_KV_HEADS + h, s16, mask=h < NUM_KV_HEADS)
+            r = x / tl.maximum(s16.to(tl.float32), 1e-30)[:, None]
+            r = (r + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds an fp32 |r| < 2**22 half to even
+            codes = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
+        elif ty == tl.float8e4nv:
+            codes = tl.minimum(tl.maximum(x / tl.load(scale_ptr), -448.0), 448.0).to(ty)
+        else:
+            codes = tl.minimum(tl.maximum(x / tl.load(scale_ptr), -57344.0), 57344.0).to(ty)
+        return codes
+
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HKV_PAD: tl.constexpr, D_PAD: tl.constexpr):
-        """One program per token: copy its [Hkv, D] K and V rows into slot block*BLOCK_SIZE+offset."""
+        """One program per token: copy (or quantize) its [Hkv, D] K and V rows into slot
+        block*BLOCK_SIZE+offset."""
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         h = tl.arange(0, HKV_PAD)[:, None]
@@ -61,14 +88,34 @@ if triton is not None:
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+        if k_cache_ptr.dtype.element_ty.primitive_bitwidth == 8:  # int8 / fp8: compile-time branch
+            heads = tl.arange(0, HKV_PAD)
+            k = _quantize_rows(k, k_cache_ptr, k_scale_ptr, slot, heads, mask, NUM_KV_HEADS)
+            v = _quantize_rows(v, v_cache_ptr, v_scale_ptr, slot, heads, mask, NUM_KV_HEADS)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _dequantize(x, cache_ptr, scale_ptr, row, n_ok, HEAD_DIM: tl.constexpr, ROW_AXIS: tl.constexpr):
+        """A loaded K/V tile back in fp32: fp8 times the per-tensor scale, int8 codes times the fp16
+        scale of their row (cache row offset // HEAD_DIM: the cache is contiguous); ROW_AXIS says
+        which axis of the tile runs over keys."""
+        if cache_ptr.dtype.element_ty == tl.int8:
+            s = tl.load(scale_ptr + row // HEAD_DIM, mask=n_ok, other=0.0).to(tl.float32)
+            if ROW_AXIS == 0:
+                out = x.to(tl.float32) * s[:, None]
+            else:
+                out = x.to(tl.float32) * s[None, :]
+        else:
+            out = x.to(tl.float32) * tl.load(scale_ptr)
+        return out
 
     @triton.jit
     def _attend_range(q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, kvh, lo, hi, m_i, l_i, acc, scale_log2,
                       stride_cb, stride_cs, stride_ch,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                      k_scale_ptr, v_scale_ptr):
         """Online softmax of the q rows over keys lo..hi of one sequence, read through its block table."""
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
@@ -79,6 +126,9 @@ if triton is not None:
             row = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
             k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if k_cache_ptr.dtype.element_ty.primitive_bitwidth == 8:  # int8 / fp8: compile-time branch
+                k = _dequantize(k, k_cache_ptr, k_scale_ptr, row, n_ok, HEAD_DIM, 1).to(q.dtype)
+                v = _dequantize(v, v_cache_ptr, v_scale_ptr, row, n_ok, HEAD_DIM, 0).to(q.dtype)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -101,7 +151,7 @@ if triton is not None:
                         stride_cb, stride_cs, stride_ch, stride_bt,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, k_scale_ptr, v_scale_ptr):
         """Grid (tiles, kv heads); tile i = (sequence tiles[i], first query tiles[num_tiles + i])."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -128,7 +178,8 @@ if triton is not None:
         hi = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)  # keys beyond the tile's last query are masked anyway
         m_i, l_i, acc = _attend_range(q, ctx + qi, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_bt, kvh, 0,
                                       hi, m_i, l_i, acc, scale_log2, stride_cb, stride_cs, stride_ch,
-                                      HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, True, UPCAST, DOT_PREC)
+                                      HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, True, UPCAST, DOT_PREC,
+                                      k_scale_ptr, v_scale_ptr)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -148,7 +199,8 @@ if triton is not None:
                        query_start_ptr, num_parts, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_cb, stride_cs, stride_ch, stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                       BLOCK_N: tl.constexpr, GATHER: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, GATHER: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                       k_scale_ptr, v_scale_ptr):
         """Grid (decode rows, kv heads, partitions). Each sequence is cut into num_parts equal ranges of
         whole BLOCK_N tiles, computed from its device-side length, so the grid depends on shapes only
         (CUDA-graph safe). With num_parts > 1 (a runtime branch: one compiled kernel serves both), it
@@ -173,7 +225,8 @@ if triton is not None:
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         m_i, l_i, acc = _attend_range(q, m_i, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_bt, kvh, lo, hi,
                                       m_i, l_i, acc, scale_log2, stride_cb, stride_cs, stride_ch,
-                                      HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, False, UPCAST, DOT_PREC)
+                                      HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, False, UPCAST, DOT_PREC,
+                                      k_scale_ptr, v_scale_ptr)
         if num_parts > 1:
             # partials laid out [rows, H, num_parts, D_PAD + 2]: acc (unnormalised), then m, then l
             base = ((i * NUM_HEADS + head) * num_parts + part).to(tl.int64) * (D_PAD + 2)
@@ -250,6 +303,14 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' k_scale_ptr / v_scale_ptr: a quantized cache's scales (kv_quant.scales), else
+    the caches themselves (the kernels' plain branch never reads them)."""
+    if kv_quant.is_quantized(k_cache):
+        return kv_quant.scales(k_cache), kv_quant.scales(v_cache)
+    return k_cache, v_cache
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows ([T, Hkv, D], any row stride) into their cache slots."""
@@ -257,8 +318,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    k_scale, v_scale = kv_scales(k_cache, v_cache)
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], HKV_PAD=_pow2(num_kv_heads), D_PAD=_pow2(head_dim, 16))
 
@@ -298,12 +360,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Causal varlen attention of the rows of sequences with more than one query, into `out`."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     group = q.shape[1] // num_kv_heads
+    k_scale, v_scale = kv_scales(k_cache, v_cache)
     _prefill_kernel[(plan.num_tiles, num_kv_heads)](
         q, k_cache, v_cache, out, batch.block_tables, batch.seq_lens, batch.query_start_loc, plan.tiles,
         plan.num_tiles, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), batch.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], G_PAD=_pow2(group), BLOCK_Q=_block_q(group, cfg), D_PAD=_pow2(head_dim, 16),
-        BLOCK_N=cfg.prefill_keys, num_warps=cfg.prefill_warps, num_stages=cfg.num_stages, **_kernel_flags(q))
+        BLOCK_N=cfg.prefill_keys, num_warps=cfg.prefill_warps, num_stages=cfg.num_stages, k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale, **_kernel_flags(q))
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -327,13 +391,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     split = num_parts > 1
     partials = torch.empty((num_rows, num_heads, num_parts, d_pad + 2) if split else (1,),
                            dtype=torch.float32, device=q.device)
+    k_scale, v_scale = kv_scales(k_cache, v_cache)
     _decode_kernel[(num_rows, num_kv_heads, num_parts)](
         q, k_cache, v_cache, out, partials, batch.block_tables, batch.seq_lens, rows, batch.query_start_loc,
         num_parts, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), batch.block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], G_PAD=_pow2(group, 16), D_PAD=d_pad, BLOCK_N=cfg.decode_keys,
-        GATHER=plan is not None, num_warps=cfg.decode_warps, num_stages=cfg.num_stages,
-        **_kernel_flags(q))
+        GATHER=plan is not None, num_warps=cfg.decode_warps, num_stages=cfg.num_stages, k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale, **_kernel_flags(q))
     if split:
         _reduce_kernel[(num_rows, num_heads)](partials, out, rows, batch.query_start_loc, num_parts, out.stride(0),
                                               out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
@@ -354,6 +419,7 @@ class TritonBackend:
     its shapes only, so CudaGraphRunner can capture it."""
 
     supports_cuda_graphs = True
+    supports_quantized_kv = True  # fp8 / int8 caches (kv_quant.py): kernels specialised on the cache type
 
     def __init__(self, spec: AttentionSpec, decode_partitions: int | None = None):
         """`decode_partitions` forces the split-K factor (tests); None picks it from the batch shape."""

@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger("ferrylm.kernels")
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("quant_gemm.cpp", "amx_linear.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("quant_gemm.cpp", "amx_linear.cpp", "vnni_gemv.cpp")]
 
 
 class QuantKernels(NamedTuple):
@@ -26,9 +26,11 @@ class QuantKernels(NamedTuple):
 
     quant_linear: Callable[..., torch.Tensor]  # (x, codes, scales, mins, group, q4) -> [M, N]
     quant_linear_amx: Callable[..., torch.Tensor]  # same, bf16 x, M > a few rows
+    quant_linear_vnni: Callable[..., torch.Tensor]  # same, M <= 4, x quantized to int8 per 32 (vnni_gemv.cpp)
     dequantize: Callable[..., torch.Tensor]  # (codes, scales, mins, group, q4, dtype) -> [N, K]
     dequantize_into: Callable[..., None]  # (codes, scales, mins, group, q4, out)
     has_amx: bool
+    has_vnni: bool
 
 
 def _register_fakes() -> None:
@@ -39,6 +41,7 @@ def _register_fakes() -> None:
         return codes.new_empty(codes.shape[0], codes.shape[1] * (2 if q4 else 1), dtype=dtype)
 
     fakes = {"ferrylm::quant_linear": linear, "ferrylm::quant_linear_amx": linear,
+             "ferrylm::quant_linear_vnni": linear,
              "ferrylm::quant_dequantize": dequantize,
              "ferrylm::quant_dequantize_into": lambda codes, scales, mins, group_size, q4, out: None}
     for name, fake in fakes.items():
@@ -64,5 +67,6 @@ def load_quant_kernels() -> QuantKernels | None:
         log.warning("quantized matmul kernel unavailable, using plain torch: %s", e)
         return None
     ops = torch.ops.ferrylm
-    return QuantKernels(ops.quant_linear.default, ops.quant_linear_amx.default, ops.quant_dequantize.default,
-                        ops.quant_dequantize_into.default, bool(module.has_amx()))
+    return QuantKernels(ops.quant_linear.default, ops.quant_linear_amx.default, ops.quant_linear_vnni.default,
+                        ops.quant_dequantize.default, ops.quant_dequantize_into.default, bool(module.has_amx()),
+                        bool(module.has_vnni()))

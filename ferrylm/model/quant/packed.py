@@ -14,7 +14,10 @@ from ferrylm.model.quant.layout import dequantize_packed
 
 # Which path multiplies M activation rows (measured on SmolLM2 shapes with bench/quant_matmul.py, on
 # this project's 2-core AVX-512 / AMX CPU):
-#   M <= SMALL_M: the packed kernel (exact fp32 weights, FMAs; bandwidth-bound decode);
+#   M <= SMALL_M, bf16/fp16 activations, AVX512-VNNI: x quantized to int8 per 32 elements and VNNI dot
+#       products (vnni_gemv.cpp, llama.cpp's arithmetic); fp32 activations, the exact path below, so a
+#       float32 model stays exact against its dequantized twin;
+#   M <= SMALL_M otherwise: the packed kernel (exact fp32 weights, FMAs);
 #   M <= AMX_M, bf16 activations, AMX present: 32 rows of W at a time unpacked to bf16 in cache and
 #       multiplied on AMX tiles (faster than torch's bf16 GEMM there, and no bf16 weight in memory);
 #   otherwise: panels of W unpacked to the activation dtype into a reused buffer, torch's GEMM.
@@ -64,12 +67,18 @@ class PackedWeight(nn.Module):
     def _kernel_ok(self, x: torch.Tensor) -> bool:
         return self.kernels is not None and x.device.type == "cpu" and self.in_features % 32 == 0
 
+    def _vnni_ok(self, x: torch.Tensor) -> bool:
+        return (x.dtype != torch.float32 and self.kernels.has_vnni
+                and (self.group == 32 or self.group % 64 == 0))
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] → [M, out] in x's dtype."""
         if not self._kernel_ok(x):
             return F.linear(x, self.dequantize(x.dtype))
         m = x.shape[0]
         if m <= SMALL_M:
+            if self._vnni_ok(x):
+                return self.kernels.quant_linear_vnni(x, self.codes, self.scales, self.mins, self.group, self.q4)
             return self.kernels.quant_linear(x, self.codes, self.scales, self.mins, self.group, self.q4)
         if m <= AMX_M and x.dtype == torch.bfloat16 and self.kernels.has_amx:
             return self.kernels.quant_linear_amx(x, self.codes, self.scales, self.mins, self.group, self.q4)

@@ -1,9 +1,16 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place through
 // the block table (no gather copy). Parallel over (sequence, KV head); each task serves the
 // whole query group of its KV head, so every K/V row is read once. Scores and softmax in fp32.
+//
+// Quantized caches (--kv-cache-dtype, layout in attention/kv_quant.py): 1-byte codes, scales
+// stored right after the codes in the same allocation. fp8 (e4m3 / e5m2): one fp32 per-tensor
+// scale, a row widened through a 256-entry table. int8: one fp16 scale per (token, KV head) row.
+// write_kv_quant_ quantizes this step's rows exactly as kv_quant.quantize does.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <math.h>
 #include <vector>
@@ -37,8 +44,64 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-template <typename scalar_t>
-static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* tables,
+// Rows of a cache, widened to fp32 one token ([Hkv, D], contiguous) at a time.
+template <typename T>
+struct PlainRows {
+  const T* base;
+  int64_t W;
+  inline void load(int64_t slot, float* dst) const { load_row(base + slot * W, dst, W); }
+};
+
+// fp8 codes through a table of their 256 fp32 values, times the per-tensor scale.
+struct Fp8Rows {
+  const uint8_t* base;
+  const float* table;
+  float scale;
+  int64_t W;
+  inline void load(int64_t slot, float* dst) const {
+    const uint8_t* src = base + slot * W;
+    for (int64_t d = 0; d < W; ++d) dst[d] = table[src[d]] * scale;
+  }
+};
+
+// int8 codes times the fp16 scale of their (token, KV head) row.
+struct Int8Rows {
+  const int8_t* base;
+  const c10::Half* scales;  // [slots, Hkv]
+  int64_t Hkv, D;
+  inline void load(int64_t slot, float* dst) const {
+    const int8_t* src = base + slot * Hkv * D;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float s = static_cast<float>(scales[slot * Hkv + h]);
+      for (int64_t d = 0; d < D; ++d) dst[h * D + d] = static_cast<float>(src[h * D + d]) * s;
+    }
+  }
+};
+
+template <typename F8>
+static const float* fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(F8(static_cast<uint8_t>(i), F8::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+// Byte offset of a quantized cache's scales (kv_quant._scale_offset) and a check that they exist.
+static const uint8_t* scales_ptr(const torch::Tensor& cache, int64_t scale_bytes) {
+  const int64_t offset = (cache.numel() + 3) / 4 * 4;
+  TORCH_CHECK(cache.storage_offset() == 0 && cache.is_contiguous(),
+              "a quantized KV cache must be the contiguous tensor kv_quant.allocate() returned");
+  TORCH_CHECK(static_cast<int64_t>(cache.storage().nbytes()) >= offset + scale_bytes,
+              "quantized KV cache without its scales: allocate it with kv_quant.allocate()");
+  return static_cast<const uint8_t*>(cache.storage().data()) + offset;
+}
+
+static bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+template <typename scalar_t, typename Rows>
+static void decode_kernel(const scalar_t* q, const Rows& kr, const Rows& vr, const int64_t* tables,
                           const int64_t* seq_lens, scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                           int64_t block_size, int64_t max_blocks, float scale) {
   // One task per sequence: a cache row [Hkv, D] is contiguous, so reading all KV heads of a token
@@ -53,7 +116,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t*
       for (int64_t i = 0; i < H * D; ++i) qf[i] *= scale;
       scores.resize(H * S);
       for (int64_t t = 0; t < S; ++t) {
-        load_row(kc + (table[t / block_size] * block_size + t % block_size) * W, row.data(), W);
+        kr.load(table[t / block_size] * block_size + t % block_size, row.data());
         for (int64_t h = 0; h < H; ++h) scores[h * S + t] = dot(qf.data() + h * D, row.data() + (h / G) * D, D);
       }
       for (int64_t h = 0; h < H; ++h) {
@@ -67,7 +130,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t*
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < S; ++t) {
-        load_row(vc + (table[t / block_size] * block_size + t % block_size) * W, row.data(), W);
+        vr.load(table[t / block_size] * block_size + t % block_size, row.data());
         for (int64_t h = 0; h < H; ++h) {
           const float p = scores[h * S + t];
           const float* vh = row.data() + (h / G) * D;
@@ -80,22 +143,109 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t*
   });
 }
 
-// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] int64;
-// seq_lens: [B] int64. Returns [B, H, D].
+template <typename scalar_t>
+static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
+  const int64_t W = Hkv * D, slots = k_cache.size(0) * bs;
+  auto run = [&](const auto& kr, const auto& vr) {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kr, vr, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                            out.data_ptr<scalar_t>(), B, H, Hkv, D, bs, tables.size(1), scale);
+  };
+  const auto cache_type = k_cache.scalar_type();
+  if (cache_type == at::kChar) {
+    auto ks = reinterpret_cast<const c10::Half*>(scales_ptr(k_cache, slots * Hkv * 2));
+    auto vs = reinterpret_cast<const c10::Half*>(scales_ptr(v_cache, slots * Hkv * 2));
+    run(Int8Rows{static_cast<const int8_t*>(k_cache.data_ptr()), ks, Hkv, D},
+        Int8Rows{static_cast<const int8_t*>(v_cache.data_ptr()), vs, Hkv, D});
+  } else if (is_fp8(cache_type)) {
+    const float* table = cache_type == at::kFloat8_e4m3fn ? fp8_table<c10::Float8_e4m3fn>()
+                                                         : fp8_table<c10::Float8_e5m2>();
+    const float k_scale = *reinterpret_cast<const float*>(scales_ptr(k_cache, 4));
+    const float v_scale = *reinterpret_cast<const float*>(scales_ptr(v_cache, 4));
+    run(Fp8Rows{static_cast<const uint8_t*>(k_cache.data_ptr()), table, k_scale, W},
+        Fp8Rows{static_cast<const uint8_t*>(v_cache.data_ptr()), table, v_scale, W});
+  } else {
+    TORCH_CHECK(q.dtype() == k_cache.dtype(), "q and cache dtypes differ");
+    run(PlainRows<scalar_t>{k_cache.data_ptr<scalar_t>(), W}, PlainRows<scalar_t>{v_cache.data_ptr<scalar_t>(), W});
+  }
+}
+
+// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, or quantized (int8,
+// fp8 e4m3 / e5m2, scales after the codes); block_tables: [B, max_blocks] int64; seq_lens: [B]
+// int64. Returns [B, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.dtype() == k_cache.dtype(), "q and cache dtypes differ");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "k and v cache dtypes differ");
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H,
-                            Hkv, D, bs, tables.size(1), static_cast<float>(scale));
+    decode_dispatch<scalar_t>(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale));
   });
   return out;
+}
+
+// Quantize rows x [T, Hkv, D] into the slots of a quantized cache, as kv_quant.quantize does:
+// int8 codes round(x / max(s, 1e-30)) with s = fp16(amax / 127) per row; fp8 codes of
+// clamp(x / scale, -max, max), round to nearest even.
+template <typename scalar_t>
+static void write_quant(const torch::Tensor& x, torch::Tensor& cache, const int64_t* slots) {
+  const int64_t T = x.size(0), Hkv = cache.size(2), D = cache.size(3);
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  const scalar_t* src = x.data_ptr<scalar_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  const auto cache_type = cache.scalar_type();
+  if (cache_type == at::kChar) {
+    int8_t* codes = static_cast<int8_t*>(cache.data_ptr());
+    auto scales = reinterpret_cast<c10::Half*>(const_cast<uint8_t*>(scales_ptr(cache, num_slots * Hkv * 2)));
+    at::parallel_for(0, T * Hkv, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t t = r / Hkv, h = r % Hkv, slot = slots[t];
+        const scalar_t* row = src + r * D;
+        float amax = 0.f;
+        for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(row[d])));
+        const c10::Half s16(amax / 127.f);
+        const float s = std::max(static_cast<float>(s16), 1e-30f);
+        scales[slot * Hkv + h] = s16;
+        int8_t* dst = codes + (slot * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d)
+          dst[d] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(row[d]) / s), -127.f, 127.f));
+      }
+    });
+    return;
+  }
+  const float scale = *reinterpret_cast<const float*>(scales_ptr(cache, 4));
+  const bool e4m3 = cache_type == at::kFloat8_e4m3fn;
+  const float limit = e4m3 ? 448.f : 57344.f;
+  uint8_t* codes = static_cast<uint8_t*>(cache.data_ptr());
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      uint8_t* dst = codes + slot * Hkv * D;
+      const scalar_t* row = src + t * Hkv * D;
+      for (int64_t i = 0; i < Hkv * D; ++i) {
+        const float v = std::clamp(static_cast<float>(row[i]) / scale, -limit, limit);
+        dst[i] = e4m3 ? c10::Float8_e4m3fn(v).x : c10::Float8_e5m2(v).x;
+      }
+    }
+  });
+}
+
+void write_kv_quant_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar || is_fp8(k_cache.scalar_type()),
+              "write_kv_quant_ needs an int8 or fp8 cache");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "k and v cache dtypes differ");
+  auto kc = k.contiguous(), vc = v.contiguous();
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK(kc.size(0) == slots.size(0) && vc.size(0) == slots.size(0), "one slot per row");
+  TORCH_CHECK(kc.size(1) == k_cache.size(2) && kc.size(2) == k_cache.size(3), "row shape differs from the cache's");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kc.scalar_type(), "write_kv_quant", [&] {
+    write_quant<scalar_t>(kc, k_cache, slots.data_ptr<int64_t>());
+    write_quant<scalar_t>(vc, v_cache, slots.data_ptr<int64_t>());
+  });
 }
 
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -108,12 +258,14 @@ void rope_qkv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, to
 TORCH_LIBRARY_FRAGMENT(ferrylm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor");
+  m.def("write_kv_quant_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ferrylm, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv_quant_", &write_kv_quant_);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_qkv_", &rope_qkv_);
 }

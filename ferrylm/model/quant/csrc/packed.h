@@ -106,4 +106,7 @@ void check(const torch::Tensor& codes, const torch::Tensor& scales, const c10::o
 bool amx_available();
 torch::Tensor amx_linear(const torch::Tensor& x, const Packed& w, bool q4);
 
+// VNNI (vnni_gemv.cpp): whether quant_linear_vnni was built for this CPU.
+bool vnni_available();
+
 }  // namespace ferry_quant

@@ -377,4 +377,5 @@ TORCH_LIBRARY_IMPL(ferrylm, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx", &amx_available, "whether AMX tile instructions run here");
+  m.def("has_vnni", &vnni_available, "whether quant_linear_vnni was built with AVX512-VNNI");
 }
