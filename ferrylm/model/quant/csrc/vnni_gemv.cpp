@@ -100,18 +100,20 @@ inline __m512i lane_blocks(bool q4) {
             : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
 }
 
-// Output rows n0..n0+NB-1 for activation rows 0..M-1 (M <= MAX_ROWS): sum of q.x per lane, scaled.
-template <bool Q4, int NB>
-void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [M, 16] */) {
+// Output rows n0..n0+NB-1 for activation rows 0..MB-1: sum of q.x per lane, scaled. MB and NB are
+// template arguments so the accumulators stay in registers (with a runtime row count they went to the
+// stack, and every FMA waited on a store-to-load round trip: 4x slower).
+template <bool Q4, int NB, int MB>
+void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB, 16] */) {
   const __m512i lanes = lane_blocks(Q4);
-  __m512 acc[NB][MAX_ROWS];
+  __m512 acc[NB][MB];
   for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < a.M; ++m) acc[j][m] = _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
   const uint8_t* rows[NB];
   for (int j = 0; j < NB; ++j) rows[j] = w.codes + (n0 + j) * w.row_bytes;
   const int64_t pairs_per_group = w.G == 32 ? 0 : w.G / 64;
   alignas(64) float sc[NB][16];
-  __m512 gacc[NB][MAX_ROWS];
+  __m512 gacc[NB][MB];
   for (int64_t p = 0; p < a.pairs; ++p) {
     const bool tail = 2 * p + 1 >= a.blocks;
     if (w.G == 32 && p % 8 == 0) {  // stage 16 groups (8 pairs) of scales at a time
@@ -120,13 +122,13 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [M,
     }
     if (pairs_per_group && p % pairs_per_group == 0)
       for (int j = 0; j < NB; ++j)
-        for (int m = 0; m < a.M; ++m) gacc[j][m] = _mm512_setzero_ps();
+        for (int m = 0; m < MB; ++m) gacc[j][m] = _mm512_setzero_ps();
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       if (p % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + (Q4 ? 32 : 64) * p) + 2048, _MM_HINT_T0);
       wv[j] = Q4 ? load_pair_q4(rows[j], p, tail) : load_pair_q8(rows[j], p, tail);
     }
-    for (int m = 0; m < a.M; ++m) {
+    for (int m = 0; m < MB; ++m) {
       const __m512i xq = _mm512_loadu_si512(a.xq.data() + (m * a.pairs + p) * 64);
       const float* dxp = a.dx.data() + (m * a.pairs + p) * 2;
       const __m512 dx = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_setr_ps(dxp[0], dxp[1], 0, 0)));
@@ -147,12 +149,22 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [M,
       for (int j = 0; j < NB; ++j) {
         float s;
         stage(w.scales, w.f16, n0 + j, w.groups, g, 1, &s);
-        for (int m = 0; m < a.M; ++m) acc[j][m] = _mm512_fmadd_ps(gacc[j][m], _mm512_set1_ps(s), acc[j][m]);
+        for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_fmadd_ps(gacc[j][m], _mm512_set1_ps(s), acc[j][m]);
       }
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < a.M; ++m) out[m * 16 + j] = _mm512_reduce_add_ps(acc[j][m]);
+    for (int m = 0; m < MB; ++m) out[m * 16 + j] = _mm512_reduce_add_ps(acc[j][m]);
+}
+
+template <bool Q4, int NB>
+void tile_rows(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+  switch (a.M) {
+    case 1: tile<Q4, NB, 1>(w, a, n0, out); break;
+    case 2: tile<Q4, NB, 2>(w, a, n0, out); break;
+    case 3: tile<Q4, NB, 3>(w, a, n0, out); break;
+    default: tile<Q4, NB, 4>(w, a, n0, out); break;
+  }
 }
 
 inline float min_term(const Packed& w, int64_t n, const float* gsum) {
@@ -203,12 +215,12 @@ torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& cod
         const int64_t lo = t * TILE, hi = std::min(N, lo + TILE);
         int64_t n = lo;
         for (; n + 4 <= hi; n += 4) {
-          if (q4) tile<true, 4>(w, a, n, buf + (n - lo) % 16);
-          else tile<false, 4>(w, a, n, buf + (n - lo) % 16);
+          if (q4) tile_rows<true, 4>(w, a, n, buf + (n - lo) % 16);
+          else tile_rows<false, 4>(w, a, n, buf + (n - lo) % 16);
         }
         for (; n < hi; ++n) {
-          if (q4) tile<true, 1>(w, a, n, buf + (n - lo) % 16);
-          else tile<false, 1>(w, a, n, buf + (n - lo) % 16);
+          if (q4) tile_rows<true, 1>(w, a, n, buf + (n - lo) % 16);
+          else tile_rows<false, 1>(w, a, n, buf + (n - lo) % 16);
         }
         for (int64_t m = 0; m < M; ++m)
           for (int64_t r = lo; r < hi; ++r) {
