@@ -13,15 +13,11 @@ int8 28.545 (+0.12%). fp8_e5m2 (2 mantissa bits) is accepted but not held to the
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
-from ferrylm.model.attention import kv_quant
-from ferrylm.model.forward_batch import ForwardBatch
 from tests.conftest import requires_smollm2
-from tests.model.test_quant_perplexity import BLOCK, BOUND, TEXT, _model
+from tests.model.perplexity import perplexity
+from tests.model.test_quant_perplexity import BOUND, TEXT, _model
 
 pytestmark = requires_smollm2
 
@@ -48,33 +44,13 @@ def token_ids(model) -> list[int]:
     return ids
 
 
-def perplexity(model, ids: list[int], cache_dtype: str) -> float:
-    """exp(mean NLL of each next token), as test_quant_perplexity.perplexity, into caches of `cache_dtype`."""
-    cfg = model.config
-    blocks = -(-len(ids) // BLOCK)
-    dtype = kv_quant.storage_dtype(cache_dtype, torch.bfloat16)
-    shape = (blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(kv_quant.allocate(shape, dtype, "cpu"), kv_quant.allocate(shape, dtype, "cpu"))
-              for _ in range(cfg.num_layers)]
-    nll, count = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, len(ids) - 1, CHUNK):
-            piece = ids[start:start + CHUNK]
-            batch = ForwardBatch.build([piece], [start], [list(range(blocks))], BLOCK)
-            targets = torch.tensor(ids[start + 1:start + 1 + len(piece)])
-            logits = model.compute_logits(model(batch, caches)[:len(targets)])
-            nll -= torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).sum().item()
-            count += len(targets)
-    return math.exp(nll / count)
-
-
 @pytest.fixture(scope="module")
 def baseline(model, token_ids) -> float:
-    return perplexity(model, token_ids, "auto")
+    return perplexity(model, token_ids, CHUNK)
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
 def test_kv_cache_perplexity_within_one_percent(model, token_ids, baseline, cache_dtype):
     assert 20 < baseline < 40, baseline
-    ppl = perplexity(model, token_ids, cache_dtype)
+    ppl = perplexity(model, token_ids, CHUNK, cache_dtype)
     assert ppl <= baseline * BOUND, f"--kv-cache-dtype {cache_dtype}: perplexity {ppl:.3f} vs auto {baseline:.3f}"

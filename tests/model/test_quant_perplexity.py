@@ -12,20 +12,18 @@ scale), and an int4 LM head 30.4 (+6.8%), which is why int4 keeps the head in in
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from ferrylm.config import QuantConfig
-from ferrylm.model.forward_batch import ForwardBatch
 from tests.conftest import requires_smollm2
+from tests.model.perplexity import BLOCK, perplexity
 
 pytestmark = requires_smollm2
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "english.txt"
-BLOCK = 16
 BOUND = 1.01  # quantized perplexity at most 1% above the dequantized bf16 model's
 
 
@@ -55,25 +53,6 @@ def _model(checkpoint, quantization: str):
     backend = select_backend(AttentionSpec.for_model(checkpoint.config, BLOCK, torch.bfloat16, cpu))
     return load_model(checkpoint, torch.bfloat16, cpu, backend, 4096, cpu_fused_ops(cpu),
                       QuantConfig.parse(quantization))
-
-
-def perplexity(model, ids: list[int], chunk: int) -> float:
-    """exp(mean NLL of each next token), the text fed `chunk` tokens per forward into a paged cache."""
-    cfg = model.config
-    blocks = -(-len(ids) // BLOCK)
-    caches = [(torch.zeros(blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16),
-               torch.zeros(blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16))
-              for _ in range(cfg.num_layers)]
-    nll, count = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, len(ids) - 1, chunk):
-            piece = ids[start:start + chunk]
-            batch = ForwardBatch.build([piece], [start], [list(range(blocks))], BLOCK)
-            targets = torch.tensor(ids[start + 1:start + 1 + len(piece)])
-            logits = model.compute_logits(model(batch, caches)[:len(targets)])
-            nll -= torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).sum().item()
-            count += len(targets)
-    return math.exp(nll / count)
 
 
 @pytest.fixture(scope="module")

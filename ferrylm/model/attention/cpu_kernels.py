@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from ferrylm.model.op_fakes import register_fakes
+
 log = logging.getLogger("ferrylm.kernels")
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
@@ -43,12 +45,7 @@ def _register_fakes() -> None:
         "ferrylm::rope_qkv_": lambda qkv, positions, cos, sin, heads, head_dim: None,
         "ferrylm::write_kv_quant_": lambda k, v, k_cache, v_cache, slot_mapping: None,
     }
-    for name, fake in fakes.items():
-        try:
-            torch.library.register_fake(name)(fake)
-        except RuntimeError as e:  # already registered by an earlier load in this process
-            if "already has" not in str(e) and "already registered" not in str(e):
-                raise
+    register_fakes(fakes)
 
 
 @lru_cache(maxsize=1)

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from ferrylm.model.op_fakes import register_fakes
+
 log = logging.getLogger("ferrylm.kernels")
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("quant_gemm.cpp", "amx_linear.cpp", "vnni_gemv.cpp")]
@@ -44,12 +46,7 @@ def _register_fakes() -> None:
              "ferrylm::quant_linear_vnni": linear,
              "ferrylm::quant_dequantize": dequantize,
              "ferrylm::quant_dequantize_into": lambda codes, scales, mins, group_size, q4, out: None}
-    for name, fake in fakes.items():
-        try:
-            torch.library.register_fake(name)(fake)
-        except RuntimeError as e:  # already registered by an earlier load in this process
-            if "already has" not in str(e) and "already registered" not in str(e):
-                raise
+    register_fakes(fakes)
 
 
 @lru_cache(maxsize=1)
