@@ -160,8 +160,10 @@ def make_workers(args: argparse.Namespace) -> list[Worker]:
     engines, workers = args.engines.split(","), []
     if "ferrylm" in engines:
         for q in args.ferrylm_quantization.split(","):
+            quant, _, kv = q.partition(":")  # "gguf:fp8": weights gguf, --kv-cache-dtype fp8
             name, label = ("ferrylm", "FerryLM") if q == "none" else (f"ferrylm-{q}", f"FerryLM {q}")
-            cmd = _cmd(sys.executable, "ferrylm", "smollm2-135m", "--quantization", q)
+            cmd = _cmd(sys.executable, "ferrylm", "smollm2-135m", "--quantization", quant,
+                       *(("--kv-cache-dtype", kv) if kv else ()))
             workers.append(Worker(name, label, cmd, base, args.timeout))
     if "vllm" in engines:
         cpus = os.cpu_count() or 1
@@ -281,7 +283,8 @@ def main() -> int:
     p.add_argument("--engines", default="ferrylm,vllm,llamacpp")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--ferrylm-quantization", default="none", help="comma list, one FerryLM worker each, "
-                   "passed as LLM(quantization=...): none, gguf, int8, int4... (trees before M2.3: only none)")
+                   "passed as LLM(quantization=...): none, gguf, int8, int4... (trees before M2.3: only none); "
+                   "Q:KV also passes LLM(kv_cache_dtype=KV), e.g. gguf:fp8")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--noise-limit", type=float, default=0.05, help="flag runs where others used more CPU")
     p.add_argument("--settle", type=float, default=2.0, help="seconds of idle before each timed run")

@@ -39,7 +39,7 @@ class Engine(Protocol):
 
 
 class FerryLMEngine:
-    def __init__(self, model: str, quantization: str, extra_buffers: bool = True):
+    def __init__(self, model: str, quantization: str, extra_buffers: bool = True, kv_cache_dtype: str = "auto"):
         sys.path.insert(0, str(ROOT))
         from ferrylm import LLM, SamplingParams
 
@@ -48,9 +48,12 @@ class FerryLMEngine:
         kwargs = {"quantization": quantization} if "quantization" in inspect.signature(LLM).parameters else {}
         if not kwargs and quantization != "none":
             raise ValueError(f"this FerryLM tree's LLM takes no quantization= (asked for {quantization!r})")
+        if kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(model, dtype="auto", max_num_seqs=64, max_num_batched_tokens=1024, seed=0, **kwargs)
         self.params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        self.info = {"dtype": str(self.llm.engine.runner.dtype), "quantization": quantization}
+        self.info = {"dtype": str(self.llm.engine.runner.dtype), "quantization": quantization,
+                     "kv_cache_dtype": kv_cache_dtype}
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], [self.params(n) for n in max_tokens],
@@ -188,6 +191,7 @@ def main() -> int:
     p.add_argument("--model", required=True, help="ferrylm: its model name; vllm: HF folder; llamacpp: GGUF")
     p.add_argument("--quantization", default="none", help="ferrylm only: LLM(quantization=...)")
     p.add_argument("--no-extra-buffers", action="store_true", help="llamacpp only: no AMX / repacked weights")
+    p.add_argument("--kv-cache-dtype", default="auto", help="ferrylm only: LLM(kv_cache_dtype=...)")
     args = p.parse_args()
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -196,7 +200,8 @@ def main() -> int:
         channel.write(json.dumps(obj) + "\n")
 
     start = time.perf_counter()
-    engine = ENGINES[args.engine](args.model, args.quantization, not args.no_extra_buffers)
+    extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.engine == "ferrylm" else {}
+    engine = ENGINES[args.engine](args.model, args.quantization, not args.no_extra_buffers, **extra)
     load_s = time.perf_counter() - start
     warm_up(engine)
     reply({"ready": True, "load_s": load_s, "warm_s": time.perf_counter() - start - load_s, "info": engine.info})

@@ -156,7 +156,11 @@ def _compile(args: tuple, path: Path):
             torch._dynamo.maybe_mark_dynamic(t, 0)
     fn = torch.compile(decode_logits, fullgraph=True, dynamic=None,
                        options={**INDUCTOR_OPTIONS, "guard_filter_fn": _guard_filter})
-    step = fn.aot_compile((args, {}))
+    # Dynamo remembers every earlier compile of decode_logits in this process (another model's, a
+    # test's) and would turn whatever differed into symbols, floats included, which aot_compile cannot
+    # restart from (TensorifyScalarRestartAnalysis): each step is traced as if it were the first.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        step = fn.aot_compile((args, {}))
     save_step(step, path)
     return step
 

@@ -10,10 +10,11 @@ batch-1 packed kernel runs every decode step):
   its decode path (1..4 rows, vnni_gemv.cpp) rounds activations to int8 per 32-element block, as
   llama.cpp does. After a near-tie the two runs may take different tokens (measured with the exact
   fp32-FMA kernel: 4 of 9 prompts identical over 32 tokens; with the VNNI path: 3 of 9), so a count of
-  identical prompts moves with any kernel's rounding and is not what is asserted. Asserted instead: the
-  first 4 tokens of every prompt are equal, and wherever a packed run first parts from the dequantized
-  run (same context so far), its token is among the dequantized run's top 5 within NEAR_TIE nats of the
-  dequantized choice: the runs only part at near-ties. "Harmless" is test_quant_perplexity's bar:
+  identical prompts moves with any kernel's rounding (and between machines: a fresh clone measured
+  parting points [19, 4, 32, 12, 21, 3, 12, 32, 32], margins 0 to 0.25 nats) and is not what is
+  asserted. Asserted instead: wherever a packed run first parts from the dequantized run (same context
+  so far), its token is among the dequantized run's top 5 within NEAR_TIE nats of the dequantized
+  choice: the runs only part at near-ties. "Harmless" is test_quant_perplexity's bar:
   perplexity over 2,000+ tokens within 1% of the dequantized bf16 model.
 """
 
@@ -69,7 +70,6 @@ def test_greedy_packed_vs_dequantized_bf16(prompt_ids):
     dequantized, tops = _greedy_alone("none", prompt_ids, logprobs=5)
     prefixes = [next((i for i, (a, b) in enumerate(zip(p, d)) if a != b), NEW_TOKENS)
                 for p, d in zip(packed, dequantized)]
-    assert min(prefixes) >= 4, prefixes
     for prompt, (p, d, top, i) in enumerate(zip(packed, dequantized, tops, prefixes)):
         if i < NEW_TOKENS:
             assert p[i] in top[i], (prompt, i, p[i], top[i])

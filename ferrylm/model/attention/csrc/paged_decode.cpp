@@ -131,9 +131,25 @@ struct Fp8Rows {
   const float* table;
   float scale;
   int64_t W;
+  bool e4m3;
   inline void load(int64_t slot, float* dst) const {
     const uint8_t* src = base + slot * W;
-    for (int64_t d = 0; d < W; ++d) dst[d] = table[src[d]] * scale;
+    int64_t d = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // 16 codes at a time through fp16, which holds every fp8 value exactly: an e5m2 byte is the top
+    // byte of its fp16; an e4m3 byte, its exponent and mantissa shifted into fp16's fields, is the
+    // value times 2^-8 (subnormals included). Bit for bit the table's values (NaN codes aside: writes
+    // saturate, so a cache never holds them). The table lookup ran ~1 element a cycle.
+    const __m512 mul = _mm512_set1_ps(e4m3 ? 256.f * scale : scale);
+    for (; d + 16 <= W; d += 16) {
+      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+      const __m256i h = e4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                               _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8))
+                             : _mm256_slli_epi16(b, 8);
+      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(h), mul));
+    }
+#endif
+    for (; d < W; ++d) dst[d] = table[src[d]] * scale;
   }
 };
 
@@ -223,8 +239,9 @@ static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache
                                                          : fp8_table<c10::Float8_e5m2>();
     const float k_scale = *reinterpret_cast<const float*>(scales_ptr(k_cache, 4));
     const float v_scale = *reinterpret_cast<const float*>(scales_ptr(v_cache, 4));
-    run(Fp8Rows{static_cast<const uint8_t*>(k_cache.data_ptr()), table, k_scale, W},
-        Fp8Rows{static_cast<const uint8_t*>(v_cache.data_ptr()), table, v_scale, W});
+    const bool e4m3 = cache_type == at::kFloat8_e4m3fn;
+    run(Fp8Rows{static_cast<const uint8_t*>(k_cache.data_ptr()), table, k_scale, W, e4m3},
+        Fp8Rows{static_cast<const uint8_t*>(v_cache.data_ptr()), table, v_scale, W, e4m3});
   } else {
     TORCH_CHECK(q.dtype() == k_cache.dtype(), "q and cache dtypes differ");
     run(PlainRows<scalar_t>{k_cache.data_ptr<scalar_t>(), W}, PlainRows<scalar_t>{v_cache.data_ptr<scalar_t>(), W});
