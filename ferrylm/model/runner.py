@@ -59,8 +59,7 @@ class ModelRunner:
                  quantization: QuantConfig | None = None):
         self.config: ModelConfig = checkpoint.config
         self.device, self.dtype = device, dtype
-        if device.type == "cpu":
-            configure_cpu_threads()  # before compiling: generated code bakes the count in
+        self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
         self.block_size = cache_config.block_size
         self.cache_dtype = cache_config.cache_dtype
         spec = AttentionSpec.for_model(self.config, self.block_size, dtype, device)

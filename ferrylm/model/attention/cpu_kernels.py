@@ -9,6 +9,8 @@ If no compiler is available the build fails once and callers fall back to plain 
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -16,7 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.model.cpp_ops import build_extension
+from ferrylm.model.op_fakes import register_fakes
+
+log = logging.getLogger("ferrylm.kernels")
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -32,23 +36,32 @@ class CpuKernels(NamedTuple):
     write_kv_quant_: Callable[..., None]
 
 
-def _fakes() -> dict:
+def _register_fakes() -> None:
     """Shapes for tracing: attention returns q's shape; the in-place ops return nothing."""
-    return {
+    fakes = {
         "ferrylm::paged_decode_attention": lambda q, k_cache, v_cache, block_tables, seq_lens, scale:
             torch.empty_like(q),
         "ferrylm::add_rms_norm_": lambda x, residual, weight, eps: None,
         "ferrylm::rope_qkv_": lambda qkv, positions, cos, sin, heads, head_dim: None,
         "ferrylm::write_kv_quant_": lambda k, v, k_cache, v_cache, slot_mapping: None,
     }
+    register_fakes(fakes)
 
 
 @lru_cache(maxsize=1)
 def load_cpu_kernels() -> CpuKernels | None:
     """The ops, or None if they cannot be built here (then torch-native is used)."""
-    ops = build_extension("ferrylm_cpu_ops", _SOURCES, _CFLAGS, _fakes(), "CPU attention kernel",
-                          "FERRYLM_DISABLE_CPU_KERNELS", python_module=False)
-    if ops is None:
+    if os.environ.get("FERRYLM_DISABLE_CPU_KERNELS"):
         return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="ferrylm_cpu_ops", sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        _register_fakes()
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
+        log.warning("CPU attention kernel unavailable, using plain torch: %s", e)
+        return None
+    ops = torch.ops.ferrylm
     return CpuKernels(ops.paged_decode_attention.default, ops.add_rms_norm_.default, ops.rope_qkv_.default,
                       ops.write_kv_quant_.default)

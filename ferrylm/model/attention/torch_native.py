@@ -38,11 +38,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     to `dtype` (required then: the model's dtype)."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    if dtype is None:
-        if kv_quant.is_quantized(cache):
+    if kv_quant.is_quantized(cache):
+        if dtype is None:
             raise ValueError("gather_kv of a quantized KV cache needs the dtype to dequantize to")
-        dtype = cache.dtype
-    return read_blocks(cache, block_table[:num_blocks], dtype).flatten(0, 1)[:length]
+        return kv_quant.read_blocks(cache, block_table[:num_blocks], dtype).flatten(0, 1)[:length]
+    rows = cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)
+    return rows[:length]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

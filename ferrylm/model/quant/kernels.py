@@ -7,6 +7,8 @@ If they cannot be built here, callers fall back to plain torch (see packed.py).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -14,7 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.model.cpp_ops import build_extension
+from ferrylm.model.op_fakes import register_fakes
+
+log = logging.getLogger("ferrylm.kernels")
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("quant_gemm.cpp", "amx_linear.cpp", "vnni_gemv.cpp")]
 
@@ -31,25 +35,33 @@ class QuantKernels(NamedTuple):
     has_vnni: bool
 
 
-def _fakes() -> dict:
+def _register_fakes() -> None:
     def linear(x, codes, scales, mins, group_size, q4):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     def dequantize(codes, scales, mins, group_size, q4, dtype):
         return codes.new_empty(codes.shape[0], codes.shape[1] * (2 if q4 else 1), dtype=dtype)
 
-    return {"ferrylm::quant_linear": linear, "ferrylm::quant_linear_amx": linear,
-            "ferrylm::quant_linear_vnni": linear,
-            "ferrylm::quant_dequantize": dequantize,
-            "ferrylm::quant_dequantize_into": lambda codes, scales, mins, group_size, q4, out: None}
+    fakes = {"ferrylm::quant_linear": linear, "ferrylm::quant_linear_amx": linear,
+             "ferrylm::quant_linear_vnni": linear,
+             "ferrylm::quant_dequantize": dequantize,
+             "ferrylm::quant_dequantize_into": lambda codes, scales, mins, group_size, q4, out: None}
+    register_fakes(fakes)
 
 
 @lru_cache(maxsize=1)
 def load_quant_kernels() -> QuantKernels | None:
     """The ops, or None if they cannot be built (or FERRYLM_DISABLE_QUANT_KERNELS is set)."""
-    module = build_extension("ferrylm_quant_ops", _SOURCES, ["-O3", "-march=native", "-fopenmp"], _fakes(),
-                             "quantized matmul kernel", "FERRYLM_DISABLE_QUANT_KERNELS")
-    if module is None:
+    if os.environ.get("FERRYLM_DISABLE_QUANT_KERNELS"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name="ferrylm_quant_ops", sources=[str(p) for p in _SOURCES],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        _register_fakes()
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
+        log.warning("quantized matmul kernel unavailable, using plain torch: %s", e)
         return None
     ops = torch.ops.ferrylm
     return QuantKernels(ops.quant_linear.default, ops.quant_linear_amx.default, ops.quant_linear_vnni.default,

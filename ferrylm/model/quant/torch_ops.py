@@ -1,7 +1,7 @@
 """Weight-only int8 / int4 on torch's own fused CPU ops: the path when the C++ kernel does not build.
 
 int8: torch._weight_int8pack_mm (per output channel). int4: torch._weight_int4pack_mm_for_cpu, whose
-dequantization is w = (q - 8) * scale + zero (checked numerically in tests/model/test_quant_kernels.py), so a
+dequantization is w = (q - 8) * scale + zero (checked numerically in tests/model/test_quant.py), so a
 group's (scale, min) pair maps onto it as zero = min + 8 * scale.
 """
 

@@ -29,6 +29,30 @@ struct Acts {
   const float* xg;
 };
 
+// sum over groups of min[n, g] * (sum of x over group g): the min term of every group at once.
+inline float min_dot(const Packed& w, int64_t n, const float* xg) {
+  int64_t g0 = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; g0 < w.groups; g0 += 16) {
+    const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, w.groups - g0)) - 1);
+    const __m512 m = w.f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const at::Half*>(w.mins) + n * w.groups + g0))
+                           : _mm512_maskz_loadu_ps(k, static_cast<const float*>(w.mins) + n * w.groups + g0);
+    acc = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(k, xg + g0), acc);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#else
+  float buf[16];
+  for (; g0 < w.groups; g0 += 16) {
+    const int64_t c = std::min<int64_t>(16, w.groups - g0);
+    stage(w.mins, w.f16, n, w.groups, g0, c, buf);
+    for (int64_t i = 0; i < c; ++i) s += buf[i] * xg[g0 + i];
+  }
+#endif
+  return s;
+}
+
 #if defined(__AVX512F__)
 #define FERRY_SIMD 1
 #define FERRY_SIMD_ON true

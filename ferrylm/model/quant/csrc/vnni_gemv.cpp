@@ -167,6 +167,16 @@ void tile_rows(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) 
   }
 }
 
+inline float min_term(const Packed& w, int64_t n, const float* gsum) {
+  float s = 0.f, buf[16];
+  for (int64_t g0 = 0; g0 < w.groups; g0 += 16) {
+    const int64_t c = std::min<int64_t>(16, w.groups - g0);
+    stage(w.mins, w.f16, n, w.groups, g0, c, buf);
+    for (int64_t i = 0; i < c; ++i) s += buf[i] * gsum[g0 + i];
+  }
+  return s;
+}
+
 }  // namespace
 #endif
 
@@ -215,7 +225,7 @@ torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& cod
         for (int64_t m = 0; m < M; ++m)
           for (int64_t r = lo; r < hi; ++r) {
             float v = buf[m * 16 + (r - lo)];
-            if (w.mins) v += min_dot(w, r, a.gsum.data() + m * a.groups);
+            if (w.mins) v += min_term(w, r, a.gsum.data() + m * a.groups);
             op[m * N + r] = static_cast<scalar_t>(v);
           }
       }
