@@ -1,6 +1,7 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place through
-// the block table (no gather copy). Parallel over (sequence, KV head); each task serves the
-// whole query group of its KV head, so every K/V row is read once. Scores and softmax in fp32.
+// the block table (no gather copy). Each task serves the whole query group of its KV head, so every
+// K/V row is read once. Scores and softmax in fp32. With AVX-512 and head_dim 32 / 64 / 128 the
+// register-blocked fast path (namespace fastpath) runs; other shapes take the generic kernel.
 //
 // Quantized caches (--kv-cache-dtype, layout in attention/kv_quant.py): 1-byte codes, scales
 // stored right after the codes in the same allocation. fp8 (e4m3 / e5m2): one fp32 per-tensor
@@ -13,6 +14,7 @@
 #include <array>
 #include <cmath>
 #include <math.h>
+#include <type_traits>
 #include <vector>
 
 template <typename T>
@@ -219,6 +221,239 @@ static void decode_kernel(const scalar_t* q, const Rows& kr, const Rows& vr, con
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The fast decode path (head_dim 32, 64 or 128): one task per (sequence, KV head), whose query group
+// is held in registers. Scores: each token's partial products are one vector per head; 16 tokens'
+// vectors are summed by one shuffle tree (reduce16) instead of 16 horizontal reductions. Values:
+// the group's accumulators stay in registers while V rows stream by once. A per-row factor (the
+// int8 scale, the fp8 per-tensor scale) multiplies the score or the softmax weight, never the row.
+// A KV head's row of 64 bf16 is two whole cache lines, so per-head tasks waste no bandwidth.
+namespace fastpath {
+
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 widen16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
+struct Plain {
+  const T* base;
+  int64_t Hkv, D;
+  inline const T* row(int64_t slot, int64_t h) const { return base + (slot * Hkv + h) * D; }
+  inline __m512 load(const T* r, int j) const { return widen16(r + 16 * j); }
+  inline float mult(int64_t, int64_t) const { return 1.f; }
+};
+
+struct Int8 {
+  const int8_t* base;
+  const c10::Half* scales;  // [slots, Hkv]
+  int64_t Hkv, D;
+  inline const int8_t* row(int64_t slot, int64_t h) const { return base + (slot * Hkv + h) * D; }
+  inline __m512 load(const int8_t* r, int j) const {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * j))));
+  }
+  inline float mult(int64_t slot, int64_t h) const { return static_cast<float>(scales[slot * Hkv + h]); }
+};
+
+// fp8 through fp16 as in Fp8Rows::load; e4m3's 2^-8 is folded into the factor.
+template <bool E4M3>
+struct Fp8 {
+  const uint8_t* base;
+  float factor;
+  int64_t Hkv, D;
+  inline const uint8_t* row(int64_t slot, int64_t h) const { return base + (slot * Hkv + h) * D; }
+  inline __m512 load(const uint8_t* r, int j) const {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * j)));
+    const __m256i h = E4M3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                             _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8))
+                           : _mm256_slli_epi16(b, 8);
+    return _mm512_cvtph_ps(h);
+  }
+  inline float mult(int64_t, int64_t) const { return factor; }
+};
+
+// v[0..16) are 16 rows of 16 floats; lane t of the result is the sum of row t. Four levels of
+// pairwise shuffles (256-bit halves, 128-bit quarters, then within quarters) leave row j + 4k in
+// lane 4j + k; one permute puts it in lane j + 4k.
+static inline __m512 reduce16(const float (*v)[16]) {
+  __m512 w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k) {
+    const __m512 a = _mm512_load_ps(v[2 * k]), b = _mm512_load_ps(v[2 * k + 1]);
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int k = 0; k < 4; ++k)
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)
+    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// Software prefetch of a row PREFETCH tokens ahead: blocks sit anywhere in the pool, so the hardware
+// prefetcher loses the stream at every block edge.
+constexpr int64_t PREFETCH = 8;
+template <typename T>
+static inline void prefetch_row(const T* r, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r) + o, _MM_HINT_T0);
+}
+
+template <int NV, typename scalar_t, typename Rows>
+static void decode(const scalar_t* q, const Rows& kr, const Rows& vr, const int64_t* tables, const int64_t* seq_lens,
+                   scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t block_size, int64_t max_blocks,
+                   float scale) {
+  constexpr int GB = 16 / NV;  // query heads held in registers at once (16 accumulators)
+  constexpr int64_t D = 16 * NV;
+  const int64_t G = H / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sc;
+    std::vector<int64_t> slots;
+    alignas(64) float part[GB][16][16];
+    alignas(64) float mult[16];
+    alignas(64) float res[GB][D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, kvh = task % Hkv, S = seq_lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      const int64_t S_pad = (S + 15) / 16 * 16;
+      slots.resize(S);
+      for (int64_t t = 0, blk = 0; t < S; ++blk)  // no division per token: it cost ~40 cycles each
+        for (int64_t i = 0, base = table[blk] * block_size; i < block_size && t < S; ++i) slots[t++] = base + i;
+      sc.assign((G + GB) * S_pad, 0.f);  // GB zero rows past the last head: weight 0 for a group's spare lanes
+      for (int64_t g0 = 0; g0 < G; g0 += GB) {
+        const int64_t gn = std::min<int64_t>(GB, G - g0);
+        __m512 qv[GB][NV];
+        for (int g = 0; g < GB; ++g)
+          for (int j = 0; j < NV; ++j)
+            qv[g][j] = g < gn ? _mm512_mul_ps(widen16(q + (b * H + kvh * G + g0 + g) * D + 16 * j), _mm512_set1_ps(scale))
+                              : _mm512_setzero_ps();
+        for (int64_t t0 = 0; t0 < S; t0 += 16) {
+          const int64_t n = std::min<int64_t>(16, S - t0);
+          for (int64_t i = 0; i < 16; ++i) {
+            if (i >= n) {
+              for (int g = 0; g < GB; ++g) _mm512_store_ps(part[g][i], _mm512_setzero_ps());
+              mult[i] = 0.f;
+              continue;
+            }
+            const int64_t slot = slots[t0 + i];
+            const auto* r = kr.row(slot, kvh);
+            if (t0 + i + PREFETCH < S) prefetch_row(kr.row(slots[t0 + i + PREFETCH], kvh), D * sizeof(*r));
+            __m512 kv[NV];
+            for (int j = 0; j < NV; ++j) kv[j] = kr.load(r, j);
+            for (int g = 0; g < GB; ++g) {
+              if (g >= gn) break;
+              __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+              for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
+              _mm512_store_ps(part[g][i], a);
+            }
+            mult[i] = kr.mult(slot, kvh);
+          }
+          const __m512 m = _mm512_load_ps(mult);
+          for (int g = 0; g < GB; ++g) {
+            if (g >= gn) break;
+            _mm512_storeu_ps(sc.data() + (g0 + g) * S_pad + t0, _mm512_mul_ps(reduce16(part[g]), m));
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) softmax_(sc.data() + g * S_pad, S);
+      for (int64_t g0 = 0; g0 < G; g0 += GB) {
+        const int64_t gn = std::min<int64_t>(GB, G - g0);
+        __m512 acc[GB][NV];
+#pragma GCC unroll 16
+        for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+        const float* p0 = sc.data() + g0 * S_pad;
+        for (int64_t t = 0; t < S; ++t) {
+          const int64_t slot = slots[t];
+          const auto* r = vr.row(slot, kvh);
+          if (t + PREFETCH < S) prefetch_row(vr.row(slots[t + PREFETCH], kvh), D * sizeof(*r));
+          const float m = vr.mult(slot, kvh);
+          __m512 kv[NV];
+          for (int j = 0; j < NV; ++j) kv[j] = vr.load(r, j);
+#pragma GCC unroll 16
+          for (int g = 0; g < GB; ++g) {  // every g, so the accumulators stay in registers; zero weight past gn
+            const __m512 p = _mm512_set1_ps(p0[g * S_pad + t] * m);
+#pragma GCC unroll 16
+            for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, kv[j], acc[g][j]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int g = 0; g < GB; ++g)  // constant indices only, so acc is never addressed and stays in registers
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) _mm512_store_ps(res[g] + 16 * j, acc[g][j]);
+        for (int64_t g = 0; g < gn; ++g) {
+          scalar_t* o = out + (b * H + kvh * G + g0 + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(res[g][d]);
+        }
+      }
+    }
+  });
+}
+
+// Runs the fast path and returns true where it applies (head_dim 32 / 64 / 128, whole query groups).
+template <typename scalar_t, typename Rows>
+static bool try_decode(const torch::Tensor& q, const Rows& kr, const Rows& vr, const torch::Tensor& tables,
+                       const torch::Tensor& lens, torch::Tensor& out, int64_t Hkv, int64_t bs, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  if (H % Hkv != 0) return false;
+  auto run = [&](auto nv) {
+    decode<decltype(nv)::value, scalar_t>(q.data_ptr<scalar_t>(), kr, vr, tables.data_ptr<int64_t>(),
+                                          lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, Hkv, bs,
+                                          tables.size(1), scale);
+    return true;
+  };
+  switch (D) {
+    case 32: return run(std::integral_constant<int, 2>{});
+    case 64: return run(std::integral_constant<int, 4>{});
+    case 128: return run(std::integral_constant<int, 8>{});
+    default: return false;
+  }
+}
+
+// The fast path for this cache's format, or false (the generic kernel runs instead).
+template <typename scalar_t>
+static bool fast_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+  const int64_t D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1), slots = k_cache.size(0) * bs;
+  const auto cache_type = k_cache.scalar_type();
+  if (cache_type == at::kChar) {
+    auto ks = reinterpret_cast<const c10::Half*>(scales_ptr(k_cache, slots * Hkv * 2));
+    auto vs = reinterpret_cast<const c10::Half*>(scales_ptr(v_cache, slots * Hkv * 2));
+    return try_decode<scalar_t>(q, Int8{static_cast<const int8_t*>(k_cache.data_ptr()), ks, Hkv, D},
+                                Int8{static_cast<const int8_t*>(v_cache.data_ptr()), vs, Hkv, D}, tables, lens, out,
+                                Hkv, bs, scale);
+  }
+  if (is_fp8(cache_type)) {
+    const float k_scale = *reinterpret_cast<const float*>(scales_ptr(k_cache, 4));
+    const float v_scale = *reinterpret_cast<const float*>(scales_ptr(v_cache, 4));
+    if (cache_type == at::kFloat8_e4m3fn)
+      return try_decode<scalar_t>(q, Fp8<true>{static_cast<const uint8_t*>(k_cache.data_ptr()), 256.f * k_scale, Hkv, D},
+                                  Fp8<true>{static_cast<const uint8_t*>(v_cache.data_ptr()), 256.f * v_scale, Hkv, D},
+                                  tables, lens, out, Hkv, bs, scale);
+    return try_decode<scalar_t>(q, Fp8<false>{static_cast<const uint8_t*>(k_cache.data_ptr()), k_scale, Hkv, D},
+                                Fp8<false>{static_cast<const uint8_t*>(v_cache.data_ptr()), v_scale, Hkv, D},
+                                tables, lens, out, Hkv, bs, scale);
+  }
+  if (q.dtype() != k_cache.dtype()) return false;
+  return try_decode<scalar_t>(q, Plain<scalar_t>{k_cache.data_ptr<scalar_t>(), Hkv, D},
+                              Plain<scalar_t>{v_cache.data_ptr<scalar_t>(), Hkv, D}, tables, lens, out, Hkv, bs, scale);
+  }
+}
+
+}  // namespace fastpath
+#endif
+
 template <typename scalar_t>
 static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale) {
@@ -259,6 +494,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (fastpath::fast_dispatch<scalar_t>(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale))) return;
+#endif
     decode_dispatch<scalar_t>(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale));
   });
   return out;
