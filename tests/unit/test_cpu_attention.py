@@ -31,6 +31,18 @@ def _batch(query_lens, context_lens, gen):
     ([1, 40, 1, 3], [63, 0, 200, 30]),  # mixed decode + prefill chunks
 ])
 def test_kernel_matches_torch_native(dtype, tol, query_lens, context_lens):
+    _check_against_oracle(dtype, tol, query_lens, context_lens, H, HKV, D)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 1, 128), (16, 4, 32), (5, 5, 64), (6, 2, 80)])
+def test_kernel_matches_torch_native_for_other_shapes(dtype, tol, heads, kv_heads, head_dim):
+    """Query groups larger than the registers hold (8 heads of 128), MHA, and a head_dim the
+    AVX-512 fast path does not take (80: the generic kernel)."""
+    _check_against_oracle(dtype, tol, [1] * 6, [0, 7, 16, 33, 150, 290], heads, kv_heads, head_dim)
+
+
+def _check_against_oracle(dtype, tol, query_lens, context_lens, H, HKV, D):
     gen = torch.Generator().manual_seed(0)
     batch = _batch(query_lens, context_lens, gen)
     T = sum(query_lens)

@@ -108,7 +108,8 @@ def _oracle_decode(q, k_cache, v_cache, tables, seq_lens, scale):
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "seed"),
-                         [(9, 3, 64, 16, 0), (8, 8, 32, 8, 1), (12, 2, 128, 16, 2), (4, 1, 64, 32, 3)])
+                         [(9, 3, 64, 16, 0), (8, 8, 32, 8, 1), (12, 2, 128, 16, 2), (4, 1, 64, 32, 3),
+                          (6, 2, 80, 16, 4)])  # head_dim 80: the generic kernel, not the fast path
 def test_cpp_decode_reads_quantized_caches_like_the_oracle(dtype, heads, kv_heads, head_dim, block_size, seed):
     """The decode kernel on fp8 / int8 caches equals the oracle (dequantize, then attend) on the
     same caches: float32 queries within 2e-5, bf16 queries within 2e-2 (the oracle dequantizes to
