@@ -41,6 +41,16 @@ log = logging.getLogger("ferrylm.compile")
 # or alignment asserts after every op call: ~500 Python calls a step (~0.5 ms at batch 1).
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "size_asserts": False, "alignment_asserts": False}
 MAX_GRAPHS = 6  # sizes a model splits into more ranges than this run eagerly
+# Graphs serving at most this many rows get inductor's C++ wrapper: their kernels are called from
+# generated C++, not Python. At batch 1 the Python wrapper's ~600 calls were ~1.2 ms of a 14 ms step
+# (decode 75.6 -> 82 tok/s measured, bench/RESULTS.md); the cost is compile time (83 s instead of 39 s
+# for SmolLM2, once: cached). Larger batches spend 60+ ms a step in the kernels and keep Python's.
+CPP_WRAPPER_MAX_ROWS = 4
+
+
+def inductor_options(high: int) -> dict:
+    """Inductor options of the graph compiled for batches of up to `high` rows."""
+    return {**INDUCTOR_OPTIONS, "cpp_wrapper": True} if high <= CPP_WRAPPER_MAX_ROWS else dict(INDUCTOR_OPTIONS)
 
 
 def decode_logits(model: LlamaForCausalLM, kv_caches: list[KVCache], input_ids: torch.Tensor,
@@ -122,14 +132,15 @@ class CompiledDecodeStep:
         high = self.max_num_seqs
         with inductor_cache_dir(self.cache_dir / "inductor"):
             while high >= 1 and len(ranges) < MAX_GRAPHS:
+                options = inductor_options(high)
                 key = step_key(self.model, self.kv_caches, self._args(high)[2:],
-                               {**INDUCTOR_OPTIONS, "high": high, "max": self.max_num_seqs})
+                               {**options, "high": high, "max": self.max_num_seqs})
                 path = self.cache_dir / f"decode-{key}.bin"
                 step = load_step(path, self._args(high), globals())
                 done = loaded if step is not None else compiled
                 if step is None:
                     log.info("compiling the decode step for up to %d rows (once: cached in %s)", high, self.cache_dir)
-                    step = _compile(self._args(high), path)
+                    step = _compile(self._args(high), path, options)
                 ranges.append(SizeRange(self._lowest_accepted(step, high), high, step))
                 done.append(ranges[-1].name)
                 step(*self._args(high))
@@ -147,7 +158,7 @@ class CompiledDecodeStep:
         return low
 
 
-def _compile(args: tuple, path: Path):
+def _compile(args: tuple, path: Path, options: dict):
     """Trace and compile decode_logits with the batch dim symbolic (its size, args', the hint inductor
     tunes for); save the result to `path`. Guards narrow the sizes it serves where the model
     branches on the batch size. Marks the input views it is given."""
@@ -155,7 +166,7 @@ def _compile(args: tuple, path: Path):
         for t in args[2:]:
             torch._dynamo.maybe_mark_dynamic(t, 0)
     fn = torch.compile(decode_logits, fullgraph=True, dynamic=None,
-                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": _guard_filter})
+                       options={**options, "guard_filter_fn": _guard_filter})
     # Dynamo remembers every earlier compile of decode_logits in this process (another model's, a
     # test's) and would turn whatever differed into symbols, floats included, which aot_compile cannot
     # restart from (TensorifyScalarRestartAnalysis): each step is traced as if it were the first.
