@@ -40,6 +40,20 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a prompt position's logprobs (vLLM's Logprob): rank 1 is the likeliest."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token, {token_id: Logprob} (the prompt's token first, then the top alternatives); the
+# first prompt token has no context, so None (vLLM's RequestOutput.prompt_logprobs).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class RequestMetrics:
     """Timestamps (time.monotonic) of one request's life, for TTFT / ITL / queue-time metrics."""
@@ -62,6 +76,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # when asked (SamplingParams.prompt_logprobs), once complete
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,11 @@ class ContextLengthExceeded(SamplingParamsError):
 
 
 def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """max_tokens as the engine runs it: the client's, or the rest of the context window (at least 1)."""
-    return max(max_tokens if max_tokens is not None else max_model_len - num_prompt_tokens, 1)
+    """max_tokens as the engine runs it: the client's (0: the prompt only, no token), or the rest of
+    the context window (at least 1)."""
+    if max_tokens is not None:
+        return max(max_tokens, 0)
+    return max(max_model_len - num_prompt_tokens, 1)
 
 
 def check_context_window(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,

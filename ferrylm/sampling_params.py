@@ -39,6 +39,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: per prompt token (the first has none) its logprob, its rank and the top
+    # `prompt_logprobs` alternatives, from the prefill's own forward pass; skips the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -71,11 +74,14 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", "presence_penalty"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty"),
             (self.repetition_penalty > 0.0, "repetition_penalty must be positive", "repetition_penalty"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens"),
+            # 0: the prompt only (prefill, prompt logprobs, no token), as OpenAI's legacy echo requests
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be non-negative", "max_tokens"),
             (self.min_tokens >= 0, "min_tokens must be non-negative", "min_tokens"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "min_tokens must not exceed max_tokens", "min_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]", "logprobs"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]",
+             "prompt_logprobs"),
         ]
         for ok, message, param in checks:
             if not ok:
@@ -104,7 +110,7 @@ class SamplingParams:
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 
 
 def _is_finite(value: object) -> bool:

@@ -83,9 +83,14 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's string of each id (byte-level pieces as stored, e.g. 'Ġthe')."""
+        return list(self.hf.convert_ids_to_tokens(token_ids))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            add_special_tokens: bool = False) -> list[int]:
         """Render with the model's own Jinja template and tokenize (no extra BOS: the template has it)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use the completions API instead")
         text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return self.hf.encode(text, add_special_tokens=False)
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)

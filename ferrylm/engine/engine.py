@@ -108,8 +108,8 @@ class Engine:
             return []
         result = self.runner.execute(sched)
         updated = self.scheduler.update(sched, result.sampled)
-        self.generation_tokens_total += len(updated)
-        return self.output_processor.process(updated, result.logprobs)
+        self.generation_tokens_total += sum(1 for r in updated if r.max_tokens > 0)  # max_tokens 0: no token
+        return self.output_processor.process(updated, result.logprobs, prompt_logprobs=result.prompt_logprobs)
 
     def stats(self) -> LoadReport:
         s, waiting, running = self.scheduler.stats(), self.scheduler.waiting, self.scheduler.running

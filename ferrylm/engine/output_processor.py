@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from ferrylm.detokenizer import IncrementalDetokenizer
 from ferrylm.engine.request import Request
-from ferrylm.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, RequestOutputKind
+from ferrylm.outputs import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+)
 
 if TYPE_CHECKING:
     from ferrylm.tokenizer import Tokenizer
@@ -30,6 +38,14 @@ class TokenLogprobs(Protocol):
     entries: dict[int, float]  # chosen token first, then the top alternatives
 
 
+class ScoredPromptToken(Protocol):
+    """What the runner reports per scored prompt token (model/prompt_logprobs.py's PromptLogprob)."""
+
+    position: int
+    entries: dict[int, float]  # the prompt's token first, then the top alternatives
+    rank: int
+
+
 @dataclass
 class _RequestState:
     """One request's output so far: what a CUMULATIVE output repeats, or a DELTA one has not sent."""
@@ -41,6 +57,29 @@ class _RequestState:
     logprobs: list[dict[int, float]] | None  # None: not asked for; DELTA keeps only the unsent ones
     text: str = ""  # CUMULATIVE only
     cumulative_logprob: float = 0.0
+    prompt_logprobs: PromptLogprobs | None = None  # [None] + one entry per scored position, when asked
+    prompt_logprobs_sent: bool = False  # DELTA sends them once
+
+    def add_prompt_logprobs(self, scored: Sequence[ScoredPromptToken], decode: Callable[[int], str]) -> None:
+        """Append the next positions in order; a position seen before (a preempted request computes
+        its prompt again) is skipped."""
+        if self.prompt_logprobs is None:
+            return
+        for item in scored:
+            if item.position != len(self.prompt_logprobs):
+                continue
+            target = next(iter(item.entries))
+            top = sorted(((tid, lp) for tid, lp in item.entries.items()), key=lambda e: -e[1])
+            ranks = {tid: i + 1 for i, (tid, _) in enumerate(top)}
+            ranks[target] = item.rank
+            self.prompt_logprobs.append({tid: Logprob(lp, ranks[tid], decode(tid)) for tid, lp in item.entries.items()})
+
+    def _prompt_logprobs_out(self) -> PromptLogprobs | None:
+        complete = self.prompt_logprobs is not None and len(self.prompt_logprobs) >= len(self.request.prompt_token_ids)
+        if not complete or (self.output_kind is RequestOutputKind.DELTA and self.prompt_logprobs_sent):
+            return None
+        self.prompt_logprobs_sent = True
+        return list(self.prompt_logprobs or [])
 
     def add_logprobs(self, sampled: TokenLogprobs | None, token: int) -> None:
         if self.logprobs is not None and sampled is not None:
@@ -64,7 +103,7 @@ class _RequestState:
             logprobs=logprobs, cumulative_logprob=self.cumulative_logprob if wants_logprobs else None,
             text_delta=text_delta, token_ids_delta=list(token_delta))
         return RequestOutput(req.request_id, self.prompt, req.prompt_token_ids, [completion], req.is_finished,
-                             req.num_cached_tokens, dataclasses.replace(req.metrics))
+                             req.num_cached_tokens, dataclasses.replace(req.metrics), self._prompt_logprobs_out())
 
 
 def _stamp(metrics: RequestMetrics, now: float, finished: bool, token: bool = True) -> None:
@@ -102,15 +141,26 @@ class OutputProcessor:
             self._tokenizer.hf, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
             stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self._states[request.request_id] = _RequestState(
-            request, prompt, detokenizer, output_kind, [] if params.logprobs is not None else None)
+            request, prompt, detokenizer, output_kind, [] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def process(self, requests: Sequence[Request], logprobs: Mapping[str, TokenLogprobs],
-                now: float | None = None) -> list[RequestOutput]:
-        """One output per request that received a token this step (scheduler.update's list)."""
+                now: float | None = None,
+                prompt_logprobs: Mapping[str, Sequence[ScoredPromptToken]] | None = None) -> list[RequestOutput]:
+        """One output per request that received a token this step, or ended with none (max_tokens 0):
+        scheduler.update's list. `prompt_logprobs`: the prompt tokens the step scored, per request."""
         now = time.monotonic() if now is None else now
+        for rid, scored in (prompt_logprobs or {}).items():
+            if rid in self._states:
+                self._states[rid].add_prompt_logprobs(scored, self._token_text)
         outputs = []
         for req in requests:
             state = self._states[req.request_id]
+            if req.max_tokens == 0:  # the prompt only: ends with no token
+                _stamp(req.metrics, now, True, token=False)
+                outputs.append(state.output("", []))
+                del self._states[req.request_id]
+                continue
             token = req.token_ids[-1]
             state.add_logprobs(logprobs.get(req.request_id), token)
             text = self._detokenize(state, token)
@@ -119,6 +169,9 @@ class OutputProcessor:
             if req.is_finished:
                 del self._states[req.request_id]
         return outputs
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.hf.decode([token_id], skip_special_tokens=False)
 
     def _detokenize(self, state: _RequestState, token: int) -> str:
         """The text `token` adds; a stop string it completes finishes the request (via the scheduler)."""

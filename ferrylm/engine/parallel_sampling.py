@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ferrylm.outputs import RequestOutput, RequestOutputKind
+from ferrylm.outputs import PromptLogprobs, RequestOutput, RequestOutputKind
 from ferrylm.sampling_params import SamplingParams
 
 
@@ -30,9 +30,12 @@ class _ChildOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     latest: RequestOutput | None = None  # the last delta (finish reason, metrics, cumulative logprob)
+    prompt_logprobs: PromptLogprobs | None = None  # a DELTA carries them once
 
     def add(self, delta: RequestOutput) -> None:
         c = delta.outputs[0]
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text_parts.append(c.text)
         self.token_ids.extend(c.token_ids)
         if c.logprobs is not None:
@@ -47,7 +50,7 @@ class _ChildOutput:
         c = self.latest.outputs[0]
         completion = dataclasses.replace(c, index=index, text="".join(self.text_parts), token_ids=list(self.token_ids),
                                          logprobs=None if self.logprobs is None else list(self.logprobs))
-        return dataclasses.replace(self.latest, outputs=[completion])
+        return dataclasses.replace(self.latest, outputs=[completion], prompt_logprobs=self.prompt_logprobs)
 
 
 class ParentRequest:
@@ -101,5 +104,6 @@ class ParentRequest:
         if len(outs) < self.n:
             raise ValueError(f"request {self.request_id!r}: a child has produced no output yet")
         first = outs[0]
+        prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, [o.outputs[0] for o in outs],
-                             all(o.finished for o in outs), first.num_cached_tokens, first.metrics)
+                             all(o.finished for o in outs), first.num_cached_tokens, first.metrics, prompt_logprobs)

@@ -113,7 +113,9 @@ class Scheduler:
         """Admit waiting requests in order while budget, sequence slots and blocks allow."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(req.token_ids)
+            # prompt logprobs come from the prefill's logits: such a request computes every position
+            cached = [] if req.sampling_params.prompt_logprobs is not None else \
+                self.block_manager.find_cached_prefix(req.token_ids)
             num_cached = len(cached) * self.block_manager.block_size
             n = req.num_tokens - num_cached
             if n > budget:
@@ -149,7 +151,8 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(req.request_id, req.token_ids[start:start + n], start,
-                                self.block_manager.block_table(req.request_id), start + n == req.num_tokens)
+                                self.block_manager.block_table(req.request_id),
+                                start + n == req.num_tokens and req.max_tokens > 0)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop its KV, requeue it (its arrival time puts it in front)."""
@@ -165,7 +168,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance progress, append sampled tokens, finish on EOS / stop ids / length.
 
-        Returns the requests that received a token this step.
+        Returns the requests that received a token this step, and those with max_tokens 0 whose
+        prompt finished (they end with no token, finish reason length).
         """
         updated = []
         for item in output.scheduled:
@@ -175,6 +179,9 @@ class Scheduler:
             req.num_computed_tokens += len(item.token_ids)
             token = sampled.get(item.request_id)
             if token is None:
+                if req.max_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
+                    self.finish_request(req.request_id, FinishReason.LENGTH)
+                    updated.append(req)
                 continue
             req.token_ids.append(token)
             updated.append(req)

@@ -6,19 +6,26 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 from ferrylm.http.errors import invalid
-from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest
+from ferrylm.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ferrylm.request_limits import check_prompt_ids
 from ferrylm.sampling_params import SamplingParamsError
 from ferrylm.tokenizer import Tokenizer
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, request: ChatCompletionRequest) -> list[int]:
-    """Render the conversation with the model's own chat template and tokenize it (a message's
-    `name` is passed on, for templates that use it)."""
+    """Render the conversation with the model's own chat template and tokenize it."""
+    return render_messages(tokenizer, request.messages)
+
+
+def render_messages(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+    """The token ids of `messages` through the model's chat template (a message's `name` is passed
+    on, for templates that use it); shared by generation and /tokenize, so both count alike."""
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    | ({"name": m.name} if m.name is not None else {}) for m in request.messages]
+                    | ({"name": m.name} if m.name is not None else {}) for m in messages]
     try:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             add_special_tokens=add_special_tokens)
     except (TemplateError, ValueError) as e:
         raise invalid(f"The messages could not be rendered with the chat template: {e}", "messages") from None
 

@@ -82,9 +82,10 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (echo + logprobs), no token
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt token, top-k + rank
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -112,9 +113,17 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (no context)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprobEntry(BaseModel):
+    """vLLM's shape of one token in a prompt position's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -152,6 +161,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonStr | None = None
+    prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None  # vLLM's, when asked
 
 
 def _now() -> int:
@@ -199,3 +209,43 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- vLLM's tokenizer endpoints ----------------------------------------------------------------
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a text `prompt`, or chat `messages` rendered with the model's
+    chat template. Unknown fields are refused (extra="forbid"): each of vLLM's others (chat_template,
+    tools, ...) would change the tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (vLLM's defaults)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids back to text, special tokens kept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

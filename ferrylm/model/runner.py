@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ferrylm.config import CacheConfig, ConfigError, ModelConfig, QuantConfig
+from ferrylm.model import prompt_logprobs
 from ferrylm.model.attention import AttentionSpec, kv_quant, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
 from ferrylm.model.compiled_step import CompiledDecodeStep
@@ -17,6 +18,7 @@ from ferrylm.model.cuda_graphs import CudaGraphRunner
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
+from ferrylm.model.prompt_logprobs import PromptLogprob
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
 from ferrylm.scheduler_output import SchedulerOutput
 
@@ -32,6 +34,7 @@ class TokenLogprobs(NamedTuple):
 class RunnerOutput(NamedTuple):
     sampled: dict[str, int]  # request id → next token
     logprobs: dict[str, TokenLogprobs]  # only for requests that asked for logprobs
+    prompt_logprobs: dict[str, list[PromptLogprob]] = {}  # this step's scored prompt tokens (never mutated)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
@@ -134,10 +137,17 @@ class ModelRunner:
         batch = ForwardBatch.build(
             [s.token_ids for s in output.scheduled], [s.num_computed_tokens for s in output.scheduled],
             [s.block_ids for s in output.scheduled], self.block_size, rows, self.device)
-        logits = self._logits(batch, len(rows))
+        plans = prompt_logprobs.plan(output.scheduled, self.states)
+        scored: dict[str, list[PromptLogprob]] = {}
+        if plans:  # eager: the prompt rows' hidden states are needed, not only the sampled rows' logits
+            hidden = self._forward(batch)
+            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+            scored = prompt_logprobs.compute(self.model.compute_logits, hidden, plans)
+        else:
+            logits = self._logits(batch, len(rows))
         if not rows:
-            return RunnerOutput({}, {})
-        return self._sample(logits, [output.scheduled[i].request_id for i in rows])
+            return RunnerOutput({}, {}, scored)
+        return self._sample(logits, [output.scheduled[i].request_id for i in rows])._replace(prompt_logprobs=scored)
 
     def _logits(self, batch: ForwardBatch, num_sampled: int) -> torch.Tensor:
         """float32 logits of the rows in batch.logits_indices (a compiled step computes every row's

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/models), health,
+"""The FastAPI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/models[/{id}]), vLLM's
+/tokenize, /detokenize and /version, health,
 readiness and metrics, wired to one ServerState. Handlers stay thin: inputs.py validates,
 fanout.py runs the engine requests, serving.py shapes the answer."""
 
@@ -9,6 +10,8 @@ import logging
 import time
 from collections.abc import Callable
 from http import HTTPStatus
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -29,13 +32,18 @@ from ferrylm.http.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import gatekeeping, inputs, prompts, serving
+from ferrylm.server import gatekeeping, inputs, prompts, serving, tokenize
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.fanout import Fanout
@@ -46,6 +54,13 @@ from ferrylm.server.state import ServerState
 
 log = logging.getLogger("ferrylm.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def package_version() -> str:
+    try:
+        return _dist_version("ferrylm")
+    except PackageNotFoundError:  # run from a source tree without an install
+        return "0.0.0+unknown"
 
 
 def _state(request: Request) -> ServerState:
@@ -143,7 +158,8 @@ async def completions(request: Request) -> Response:
     echo = [core.tokenizer.decode(p, skip_special_tokens=False) if not isinstance(req.prompt, str) else req.prompt
             for p in prompt_ids] if req.echo else None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
-                          bool(req.stream_options and req.stream_options.include_usage), echo)
+                          bool(req.stream_options and req.stream_options.include_usage), echo,
+                          prompt_logprobs=req.prompt_logprobs)
     return await _serve(request, state, engine, ctx, prompt_ids, params, req, serving.stream_completion,
                         serving.completion_response)
 
@@ -156,6 +172,21 @@ async def list_models(request: Request) -> ModelList:
     root = info.model if info is not None else None
     return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_len)
                            for name in state.config.served_model_names])
+
+
+async def retrieve_model(request: Request, model_id: str) -> ModelCard:
+    """GET /v1/models/{id}: the card of one served name, 404 model_not_found otherwise."""
+    state = _state(request)
+    await gatekeeping.authenticate(request, state)
+    name = state.resolve_model(model_id)
+    info = state.engine.model_info if state.engine is not None else None
+    return ModelCard(id=name, root=info.model if info is not None else None,
+                     max_model_len=info.max_model_len if info is not None else None)
+
+
+async def version() -> VersionResponse:
+    """GET /version, as vLLM answers it: the package's version."""
+    return VersionResponse(version=package_version())
 
 
 async def health(request: Request) -> JSONResponse:
@@ -263,7 +294,16 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> Fas
                      responses={200: {"model": CompletionResponse, "content": {"text/event-stream": {}}}}
                      | generation_errors, openapi_extra=json_body_openapi(CompletionRequest))
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
+    v1.add_api_route("/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard,
+                     responses=error_responses(404))
     app.include_router(v1)
+    tokens = APIRouter(dependencies=[Depends(require_api_key)], responses=error_responses(400, 401, 404, 503))
+    tokens.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"], response_model=TokenizeResponse,
+                         openapi_extra=json_body_openapi(TokenizeRequest))
+    tokens.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"], response_model=DetokenizeResponse,
+                         openapi_extra=json_body_openapi(DetokenizeRequest))
+    app.include_router(tokens)
+    app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])

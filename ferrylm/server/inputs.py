@@ -35,7 +35,7 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, prompt_logprobs: int | None = None) -> SamplingParams:
     """Build the engine's SamplingParams; a range error or a token id outside the vocabulary
     (request_limits.check_token_ids, the engine's own check) becomes a 400 naming the field."""
     r = request
@@ -51,7 +51,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: 
             min_tokens=r.min_tokens or 0, stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
             stop_token_ids=list(r.stop_token_ids or []),
             include_stop_str_in_output=bool(r.include_stop_str_in_output), ignore_eos=bool(r.ignore_eos),
-            logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=r.skip_special_tokens is not False)
         check_token_ids(params, vocab_size)
     except SamplingParamsError as e:
         raise invalid(f"Invalid '{e.param}': {str(e).rstrip('.')}.", e.param) from None
@@ -80,6 +80,15 @@ def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingPa
         raise invalid("'suffix' is not supported.", "suffix")
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise invalid("'best_of' must equal 'n' (ranking candidates is not supported).", "best_of")
-    if request.echo and request.logprobs is not None:
-        raise invalid("'echo' with 'logprobs' is not supported (prompt logprobs are not computed).", "echo")
-    return sampling_params(request, request.max_tokens, request.logprobs, vocab_size)
+    prompt_logprobs = completion_prompt_logprobs(request)
+    if prompt_logprobs is not None and request.stream:
+        raise invalid("Prompt logprobs (echo with logprobs, or prompt_logprobs) are not streamed; send "
+                      "'stream': false.", "stream")
+    return sampling_params(request, request.max_tokens, request.logprobs, vocab_size, prompt_logprobs)
+
+
+def completion_prompt_logprobs(request: CompletionRequest) -> int | None:
+    """Alternatives per prompt token the engine computes: `echo` with `logprobs` (OpenAI's legacy
+    scoring request, as lm-evaluation-harness sends it) and vLLM's `prompt_logprobs` share one pass."""
+    wanted = [k for k in (request.logprobs if request.echo else None, request.prompt_logprobs) if k is not None]
+    return max(wanted) if wanted else None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ferrylm.http.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from ferrylm.http.protocol import ChatLogprobs, CompletionLogprobs, PromptLogprobEntry, TokenLogprob, TopLogprob
+from ferrylm.outputs import PromptLogprobs
 from ferrylm.tokenizer import Tokenizer
 
 
@@ -56,3 +57,44 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: li
         result.text_offset.append(offset)
         offset += len(text)
     return result
+
+
+def echoed_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], prompt_logprobs: PromptLogprobs, k: int,
+                           generated: CompletionLogprobs) -> CompletionLogprobs:
+    """OpenAI's echo + logprobs: the prompt's tokens (the first with null logprob and top_logprobs,
+    text offsets from 0), then the generated ones' (`generated`, offsets after the echoed text)."""
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    offset = 0
+    for token_id, entries in zip(prompt_ids, prompt_logprobs):
+        text = _token_text(tokenizer, token_id)
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        offset += len(text)
+        if entries is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(_finite(entries[token_id].logprob))
+        top = sorted(entries.items(), key=lambda e: -_finite(e[1].logprob))[:k]
+        result.top_logprobs.append({_token_text(tokenizer, tid): _finite(lp.logprob) for tid, lp in top})
+    result.tokens += generated.tokens
+    result.token_logprobs += generated.token_logprobs
+    result.top_logprobs += generated.top_logprobs
+    result.text_offset += generated.text_offset
+    return result
+
+
+def vllm_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: PromptLogprobs,
+                         k: int) -> list[dict[str, PromptLogprobEntry] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token None (the first) or
+    {token id: {logprob, rank, decoded_token}} holding the prompt's token and the top k."""
+    out: list[dict[str, PromptLogprobEntry] | None] = []
+    for token_id, entries in zip(prompt_ids, prompt_logprobs):
+        if entries is None:
+            out.append(None)
+            continue
+        keep = {token_id} | {tid for tid, _ in sorted(entries.items(), key=lambda e: -_finite(e[1].logprob))[:k]}
+        out.append({str(tid): PromptLogprobEntry(logprob=_finite(lp.logprob), rank=lp.rank,
+                                                 decoded_token=lp.decoded_token)
+                    for tid, lp in entries.items() if tid in keep})
+    return out

@@ -31,7 +31,7 @@ from ferrylm.http.protocol import (
 )
 from ferrylm.outputs import FinishReason, RequestOutput, Usage
 from ferrylm.server.fanout import Fanout
-from ferrylm.server.logprobs import chat_logprobs, completion_logprobs
+from ferrylm.server.logprobs import chat_logprobs, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
 from ferrylm.tokenizer import Tokenizer
 
 log = logging.getLogger("ferrylm.server")
@@ -48,6 +48,7 @@ class ResponseContext:
     top_logprobs: int | None = None  # None: no logprobs asked
     include_usage: bool = False
     echo: list[str] | None = None  # completions with echo: each prompt's text
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs on /v1/completions: alternatives per token
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.monotonic)
 
@@ -192,7 +193,14 @@ def completion_response(ctx: ResponseContext, fanout: Fanout, finals: list[Reque
         lp = None
         if ctx.top_logprobs is not None and c.logprobs is not None:
             lp = completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, ctx.top_logprobs, len(prefix))
-        choices.append(CompletionChoice(index=i, text=prefix + c.text, logprobs=lp, finish_reason=_reason(out)))
+            if ctx.echo and out.prompt_logprobs is not None:  # echo + logprobs: the prompt's tokens come first
+                lp = echoed_prompt_logprobs(ctx.tokenizer, out.prompt_token_ids, out.prompt_logprobs,
+                                            ctx.top_logprobs, lp)
+        plp = None
+        if ctx.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            plp = vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, ctx.prompt_logprobs)
+        choices.append(CompletionChoice(index=i, text=prefix + c.text, logprobs=lp, finish_reason=_reason(out),
+                                        prompt_logprobs=plp))
     _log_finished(ctx, fanout, finals, stream=False)
     return CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
                               usage=usage(fanout, finals))

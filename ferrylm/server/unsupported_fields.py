@@ -7,7 +7,7 @@ import json
 import logging
 
 from ferrylm.http.errors import APIError
-from ferrylm.http.protocol import SamplingRequest
+from ferrylm.http.protocol import ChatMessage, SamplingRequest
 
 log = logging.getLogger("ferrylm.server")
 
@@ -22,7 +22,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "web_search_options": (), "reasoning_effort": (), "verbosity": (), "moderation": (),
     # vLLM
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "prompt_logprobs": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],), "allowed_token_ids": (),
     "logits_processors": ([],), "truncate_prompt_tokens": (), "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,), "spaces_between_special_tokens": (True,), "vllm_xargs": (),
@@ -30,7 +30,7 @@ _UNSUPPORTED: dict[str, tuple] = {
 CHAT_FIELDS = _UNSUPPORTED | {
     "echo": (False,), "best_of": (1,), "add_generation_prompt": (True,), "continue_final_message": (False,),
     "add_special_tokens": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
-    "mm_processor_kwargs": (),
+    "mm_processor_kwargs": (), "prompt_logprobs": (),  # prompt logprobs: /v1/completions only
 }
 COMPLETION_FIELDS = _UNSUPPORTED | {"add_special_tokens": (True,)}
 _UNSUPPORTED_MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "tool_call_id": (), "function_call": (), "audio": ()}
@@ -66,7 +66,14 @@ def check_supported(request: SamplingRequest, table: dict[str, tuple]) -> None:
     unknown = _refuse(request.model_extra, table)
     if request.stream_options is not None:
         unknown += _refuse(request.stream_options.model_extra, _UNSUPPORTED_STREAM_OPTIONS, "stream_options.")
-    for i, message in enumerate(getattr(request, "messages", ())):
-        unknown += _refuse(message.model_extra, _UNSUPPORTED_MESSAGE, f"messages.{i}.")
+    unknown += check_messages(getattr(request, "messages", None) or [])
     if unknown:
         log.warning("unknown request fields ignored", extra={"fields": [name[:64] for name in unknown[:10]]})
+
+
+def check_messages(messages: list[ChatMessage]) -> list[str]:
+    """400 for a message field that is not implemented (tool_calls, ...); the unknown ones' names."""
+    unknown: list[str] = []
+    for i, message in enumerate(messages):
+        unknown += _refuse(message.model_extra, _UNSUPPORTED_MESSAGE, f"messages.{i}.")
+    return unknown

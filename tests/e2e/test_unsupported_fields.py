@@ -92,7 +92,6 @@ VLLM_CASES = [  # (path, extra fields, param)
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]},
      "messages.1.tool_calls"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
     ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
 ]
