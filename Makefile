@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ferrylm-installed
 
-.PHONY: setup serve generate lint test fuzz bench clean
+.PHONY: setup serve generate lint test test-lm-eval fuzz bench clean
 
 $(STAMP): pyproject.toml Makefile
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)  # shared rate limits
@@ -30,6 +30,10 @@ lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, se
 
 test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider
+
+test-lm-eval: setup  # lm-evaluation-harness against `ferrylm serve` vs its hf backend (installs lm-eval into .venv)
+	$(PY) -m pip install --quiet 'lm-eval[api]==0.4.13'
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_lm_eval.py
 
 fuzz: setup  # the long randomized campaign: every hypothesis/schemathesis test, 20x the examples
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider -m hypothesis tests/
