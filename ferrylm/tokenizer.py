@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -55,18 +56,23 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         cache = _cache_dir(source)
+        damaged = cache.exists()  # until it loads: a directory without a usable tokenizer.json
         if (cache / "tokenizer.json").is_file():
             try:
                 return AutoTokenizer.from_pretrained(str(cache))
             except (OSError, ValueError):
                 pass  # a damaged cache entry: rebuild it below
         hf = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         try:
-            tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
             hf.save_pretrained(str(tmp))
-            os.replace(tmp, cache) if not cache.exists() else None
+            if damaged:
+                shutil.rmtree(cache, ignore_errors=True)
+            os.replace(tmp, cache)  # fails if another process put a whole entry there first: keep theirs
         except OSError:
-            pass  # read-only home: just convert every time
+            pass  # read-only home, or a concurrent writer won: just use this conversion
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written or losing copy behind
         return hf
 
     @property
