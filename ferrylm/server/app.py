@@ -167,21 +167,21 @@ async def completions(request: Request) -> Response:
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     await gatekeeping.authenticate(request, state)  # 401 as on the other /v1 routes
+    return ModelList(data=[_model_card(state, name) for name in state.config.served_model_names])
+
+
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    """The card of served name `name` (root and context length once the engine is up)."""
     info = state.engine.model_info if state.engine is not None else None
-    max_len = info.max_model_len if info is not None else None
-    root = info.model if info is not None else None
-    return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_len)
-                           for name in state.config.served_model_names])
+    return ModelCard(id=name, root=info.model if info is not None else None,
+                     max_model_len=info.max_model_len if info is not None else None)
 
 
 async def retrieve_model(request: Request, model_id: str) -> ModelCard:
     """GET /v1/models/{id}: the card of one served name, 404 model_not_found otherwise."""
     state = _state(request)
     await gatekeeping.authenticate(request, state)
-    name = state.resolve_model(model_id)
-    info = state.engine.model_info if state.engine is not None else None
-    return ModelCard(id=name, root=info.model if info is not None else None,
-                     max_model_len=info.max_model_len if info is not None else None)
+    return _model_card(state, state.resolve_model(model_id))
 
 
 async def version() -> VersionResponse:

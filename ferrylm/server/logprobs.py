@@ -75,8 +75,8 @@ def echoed_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], prompt_l
             result.top_logprobs.append(None)
             continue
         result.token_logprobs.append(_finite(entries[token_id].logprob))
-        top = sorted(entries.items(), key=lambda e: -_finite(e[1].logprob))[:k]
-        result.top_logprobs.append({_token_text(tokenizer, tid): _finite(lp.logprob) for tid, lp in top})
+        top = _top({tid: lp.logprob for tid, lp in entries.items()}, k)
+        result.top_logprobs.append({_token_text(tokenizer, tid): lp for tid, lp in top})
     result.tokens += generated.tokens
     result.token_logprobs += generated.token_logprobs
     result.top_logprobs += generated.top_logprobs
@@ -93,7 +93,7 @@ def vllm_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: PromptLogprobs,
         if entries is None:
             out.append(None)
             continue
-        keep = {token_id} | {tid for tid, _ in sorted(entries.items(), key=lambda e: -_finite(e[1].logprob))[:k]}
+        keep = {token_id} | {tid for tid, _ in _top({tid: lp.logprob for tid, lp in entries.items()}, k)}
         out.append({str(tid): PromptLogprobEntry(logprob=_finite(lp.logprob), rank=lp.rank,
                                                  decoded_token=lp.decoded_token)
                     for tid, lp in entries.items() if tid in keep})
