@@ -127,6 +127,19 @@ struct PlainRows {
   inline void load(int64_t slot, float* dst) const { load_row(base + slot * W, dst, W); }
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 fp8 codes as fp32 through fp16, which holds every fp8 value exactly: an e5m2 byte is the top byte
+// of its fp16; an e4m3 byte, its exponent and mantissa shifted into fp16's fields, is the value times
+// 2^-8 (subnormals included; the caller multiplies by 256). NaN codes aside: writes saturate.
+static inline __m512 fp8x16_to_f32(const uint8_t* src, bool e4m3) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m256i h = e4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                           _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8))
+                         : _mm256_slli_epi16(b, 8);
+  return _mm512_cvtph_ps(h);
+}
+#endif
+
 // fp8 codes through a table of their 256 fp32 values, times the per-tensor scale.
 struct Fp8Rows {
   const uint8_t* base;
@@ -138,18 +151,9 @@ struct Fp8Rows {
     const uint8_t* src = base + slot * W;
     int64_t d = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    // 16 codes at a time through fp16, which holds every fp8 value exactly: an e5m2 byte is the top
-    // byte of its fp16; an e4m3 byte, its exponent and mantissa shifted into fp16's fields, is the
-    // value times 2^-8 (subnormals included). Bit for bit the table's values (NaN codes aside: writes
-    // saturate, so a cache never holds them). The table lookup ran ~1 element a cycle.
+    // 16 codes at a time (fp8x16_to_f32), bit for bit the table's values; the lookup ran ~1 element a cycle.
     const __m512 mul = _mm512_set1_ps(e4m3 ? 256.f * scale : scale);
-    for (; d + 16 <= W; d += 16) {
-      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
-      const __m256i h = e4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                               _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8))
-                             : _mm256_slli_epi16(b, 8);
-      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(h), mul));
-    }
+    for (; d + 16 <= W; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(fp8x16_to_f32(src + d, e4m3), mul));
 #endif
     for (; d < W; ++d) dst[d] = table[src[d]] * scale;
   }
@@ -266,13 +270,7 @@ struct Fp8 {
   float factor;
   int64_t Hkv, D;
   inline const uint8_t* row(int64_t slot, int64_t h) const { return base + (slot * Hkv + h) * D; }
-  inline __m512 load(const uint8_t* r, int j) const {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * j)));
-    const __m256i h = E4M3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                             _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8))
-                           : _mm256_slli_epi16(b, 8);
-    return _mm512_cvtph_ps(h);
-  }
+  inline __m512 load(const uint8_t* r, int j) const { return fp8x16_to_f32(r + 16 * j, E4M3); }
   inline float mult(int64_t, int64_t) const { return factor; }
 };
 
