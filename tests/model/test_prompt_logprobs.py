@@ -95,3 +95,14 @@ def _drain(engine, check: bool = False) -> dict:
         if check:
             engine.scheduler.check_invariants()
     return done
+
+
+def test_max_tokens_zero_with_the_default_dtype_and_packed_gguf():
+    """The served default (bf16 where the CPU has it, GGUF blocks kept packed): a scoring request
+    samples no row, so the LM head runs on 0 rows (it used to crash the VNNI kernel)."""
+    from ferrylm import LLM
+
+    llm = LLM("smollm2-135m", enforce_eager=True, max_num_seqs=2, kv_cache_memory=64 << 20)
+    ids = llm.get_tokenizer().encode("The sky is")
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [] and len(out.prompt_logprobs) == len(ids)

@@ -244,3 +244,15 @@ def test_vnni_path_error_is_bounded_by_activation_rounding(kind):
         assert not w._vnni_ok(x)
         with pytest.raises(RuntimeError, match="group 96 unsupported"):
             KERNELS.quant_linear_vnni(x[:, :96].contiguous(), w.codes, w.scales, w.mins, w.group, w.q4)
+
+
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matmul_of_no_rows_is_empty(dtype):
+    """A step that samples no row (max_tokens=0, a mid-prefill chunk) runs the LM head on 0 rows: every
+    kernel path answers [0, out] (the VNNI one read row 0 of an empty batch and crashed the process)."""
+    w = _random_packed("q4_1", 50, 192, torch.Generator().manual_seed(8))
+    assert w.matmul(torch.empty(0, 192, dtype=dtype)).shape == (0, 50)
+    if KERNELS.has_vnni:
+        assert KERNELS.quant_linear_vnni(torch.empty(0, 192, dtype=dtype), w.codes, w.scales, w.mins, w.group,
+                                         w.q4).shape == (0, 50)

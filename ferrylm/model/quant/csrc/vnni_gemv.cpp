@@ -202,6 +202,7 @@ torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& cod
 #ifdef FERRY_VNNI
   TORCH_CHECK(M <= MAX_ROWS, "quant_linear_vnni: at most ", MAX_ROWS, " activation rows, got ", M);
   TORCH_CHECK(group_size == 32 || group_size % 64 == 0, "quant_linear_vnni: group ", group_size, " unsupported");
+  if (M == 0) return torch::empty({0, N}, x.options());  // no rows (a step that samples none): the tiles read row 0
   const Packed w = describe(codes, scales, mins, group_size);
   // x widened here, not by x.to(float): that was one more dispatched op (~4 us) per call, 120 a step.
   const torch::Tensor xc = x.contiguous();
