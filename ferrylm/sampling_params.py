@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SamplingParamsError(ValueError):
@@ -13,6 +15,52 @@ class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured_outputs: exactly one constraint the output must satisfy (a JSON schema, a
+    regex, one of `choice`, an EBNF grammar, or any JSON object). Pure data: model/structured_output.py
+    compiles it (xgrammar) and masks the logits with it.
+
+    `disable_any_whitespace` (vLLM's name) defaults to True here: JSON is generated compact, so a small
+    model cannot spend its max_tokens on whitespace; False lets the grammar accept any whitespace.
+    `param` is the request field it came from, for a 400 naming it when it does not compile."""
+
+    json: str | None = None  # a JSON schema, serialised (a dict is accepted and serialised here)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like)
+    json_object: bool = False
+    disable_any_whitespace: bool = True
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))  # key order kept: it is the output order
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs needs exactly one of json, regex, choice, grammar or "
+                                      f"json_object (got {', '.join(given) or 'none'})", self.param)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise SamplingParamsError("structured_outputs.choice must be a non-empty list of strings", self.param)
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise SamplingParamsError(f"structured_outputs.{name} must be a non-empty string", self.param)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[Any, ...]:
+        """What the compiled grammar depends on: the compile cache's key (not `param`)."""
+        return (self.kind, getattr(self, self.kind), self.disable_any_whitespace)
 
 
 @dataclass
@@ -43,6 +91,7 @@ class SamplingParams:
     # `prompt_logprobs` alternatives, from the prefill's own forward pass; skips the prefix cache
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # the output is constrained to a grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +135,12 @@ class SamplingParams:
         for ok, message, param in checks:
             if not ok:
                 raise SamplingParamsError(message, param)
+        if self.structured_outputs is not None:
+            # the grammar allows only EOS once complete: min_tokens or ignore_eos would leave no token
+            for name, neutral in (("min_tokens", 0), ("ignore_eos", False)):
+                if getattr(self, name) != neutral:
+                    raise SamplingParamsError(f"{name} cannot be combined with structured output (the grammar "
+                                              "ends the output with EOS once it is complete)", name)
         for token_id, bias in (self.logit_bias or {}).items():
             if not -100.0 <= float(bias) <= 100.0:
                 raise SamplingParamsError(f"logit_bias for token {token_id} must be in [-100, 100]", "logit_bias")

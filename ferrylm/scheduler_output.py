@@ -4,7 +4,8 @@ A leaf module, so model/ reads what the scheduler decided without importing engi
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from concurrent.futures import Future
+from typing import Any, NamedTuple
 
 from ferrylm.sampling_params import SamplingParams
 
@@ -15,6 +16,7 @@ class NewRequestData(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    grammar: Future[Any] | None = None  # the compiled structured-output grammar (done before scheduling)
 
 
 class ScheduledRequest(NamedTuple):

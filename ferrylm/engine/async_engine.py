@@ -20,9 +20,10 @@ from typing import NamedTuple
 
 from ferrylm.engine.client import EngineDeadError, ModelInfo
 from ferrylm.engine.engine import Engine
+from ferrylm.engine.scheduler import RequestRejected
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import RequestOutput, RequestOutputKind
-from ferrylm.sampling_params import SamplingParams
+from ferrylm.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("ferrylm.engine")
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
@@ -186,6 +187,14 @@ class AsyncEngine:
             self.abort(key)  # no-op if it was rejected; needed if we were cancelled
             raise
         return RequestStream(self, key, request_id, queue)
+
+    async def prepare_structured_output(self, spec: StructuredOutputsParams) -> None:
+        """Wait for the constraint's grammar (compiled on the compiler's worker thread, cached, so the
+        request's own add is a cache hit); raises its StructuredOutputError."""
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise RequestRejected("structured output is not available on this engine", spec.param)
+        await asyncio.wrap_future(grammars.submit(spec))
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import RequestOutput, RequestOutputKind
-from ferrylm.sampling_params import SamplingParams
+from ferrylm.sampling_params import SamplingParams, StructuredOutputsParams
 from ferrylm.tokenizer import Tokenizer
 
 
@@ -47,6 +47,9 @@ class EngineClient(Protocol):
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
                           ) -> RequestStreamLike: ...
+
+    async def prepare_structured_output(self, spec: StructuredOutputsParams) -> None: ...
+    # compiles (cached) the constraint; raises ValueError with `param` when it cannot be enforced
 
     def stats(self) -> LoadReport: ...
 

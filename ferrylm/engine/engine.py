@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import Any
 
 from ferrylm.config import EngineConfig
 from ferrylm.engine.block_manager import BlockManager
@@ -31,7 +33,10 @@ def _certain_output_left(request: Request) -> int:
 class Engine:
     """Synchronous core used by the offline LLM and driven by AsyncEngine's loop thread."""
 
-    def __init__(self, config: EngineConfig, runner, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, config: EngineConfig, runner, tokenizer: Tokenizer, max_model_len: int,
+                 grammars: Any = None):
+        """`grammars`: the structured-output compiler (model/structured_output.GrammarCompiler); by
+        default one for `tokenizer` (nothing is imported or compiled until a request asks)."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -43,6 +48,14 @@ class Engine:
         self.output_processor = OutputProcessor(tokenizer, self.scheduler.finish_request)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.grammars = grammars if grammars is not None else self._default_grammars(tokenizer)
+        self._compiling: list[Request] = []  # requests whose grammar was not compiled when they arrived
+
+    def _default_grammars(self, tokenizer: Tokenizer) -> Any:
+        from ferrylm.model.structured_output import GrammarCompiler  # imports no torch until used
+
+        hf = getattr(tokenizer, "hf", None)
+        return GrammarCompiler(hf, self.vocab_size, tuple(tokenizer.eos_token_ids)) if hf is not None else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -75,8 +88,10 @@ class Engine:
         self._validate(prompt_ids, params)
         request = Request(request_id, prompt_ids, params, self.resolve_max_tokens(params, len(prompt_ids)),
                           arrival_time if arrival_time is not None else time.monotonic(), priority,
-                          self.tokenizer.eos_token_ids)
+                          self.tokenizer.eos_token_ids, grammar=self._grammar(params))
         self.scheduler.add_request(request)
+        if request.grammar_pending:
+            self._compiling.append(request)
         self.prompt_tokens_total += len(prompt_ids)
         self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None, output_kind)
         return request
@@ -92,6 +107,29 @@ class Engine:
             raise RequestRejected(str(e), e.param) from None
         check_token_ids(params, self.vocab_size)
 
+    def _grammar(self, params: SamplingParams) -> Any:
+        """The compile future of the request's constraint; a constraint known not to compile is
+        rejected here (the server has already answered such a request with a 400)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise RequestRejected("structured output is not available on this engine", spec.param)
+        future = self.grammars.submit(spec)
+        if future.done() and future.exception() is not None:
+            error = future.exception()
+            raise RequestRejected(str(error), getattr(error, "param", spec.param))
+        return future
+
+    def _fail_uncompilable(self) -> list[RequestOutput]:
+        """Abort the requests whose grammar failed to compile after they were queued (an offline or
+        direct caller that did not wait for the compile); forget those that compiled."""
+        failed = [r for r in self._compiling
+                  if r.grammar is not None and r.grammar.done() and r.grammar.exception() is not None]
+        self._compiling = [r for r in self._compiling if r.grammar_pending and not r.is_finished]
+        outputs = [self.abort(r.request_id) for r in failed]
+        return [out for out in outputs if out is not None]
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its KV blocks are freed immediately."""
         self.scheduler.finish_request(request_id, FinishReason.ABORT)  # a no-op for unknown ids
@@ -103,13 +141,20 @@ class Engine:
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of requests that produced a token or finished."""
+        failed = self._fail_uncompilable() if self._compiling else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            if sched.finished_ids:  # let the runner forget them (sampling state, grammar matchers)
+                self.runner.execute(sched)
+            if self._compiling:  # idle until a grammar is ready instead of spinning
+                wait([r.grammar for r in self._compiling if r.grammar is not None], timeout=0.05,
+                     return_when=FIRST_COMPLETED)
+            return failed
         result = self.runner.execute(sched)
         updated = self.scheduler.update(sched, result.sampled)
         self.generation_tokens_total += sum(1 for r in updated if r.max_tokens > 0)  # max_tokens 0: no token
-        return self.output_processor.process(updated, result.logprobs, prompt_logprobs=result.prompt_logprobs)
+        return failed + self.output_processor.process(updated, result.logprobs,
+                                                      prompt_logprobs=result.prompt_logprobs)
 
     def stats(self) -> LoadReport:
         s, waiting, running = self.scheduler.stats(), self.scheduler.waiting, self.scheduler.running

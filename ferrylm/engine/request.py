@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from ferrylm.outputs import FinishReason, RequestMetrics
 from ferrylm.sampling_params import SamplingParams
@@ -37,6 +39,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    grammar: Future[Any] | None = None  # structured output: compiling off the engine thread; admitted once done
     metrics: RequestMetrics = field(init=False)  # timestamps, from arrival_time on
 
     def __post_init__(self) -> None:
@@ -63,6 +66,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def grammar_pending(self) -> bool:
+        return self.grammar is not None and not self.grammar.done()
 
     @property
     def sort_key(self) -> tuple[int, float, str]:

@@ -111,8 +111,12 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
                           budget: int) -> int:
         """Admit waiting requests in order while budget, sequence slots and blocks allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        i = 0  # requests whose grammar still compiles are passed over, not waited for
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
+            if req.grammar_pending:
+                i += 1
+                continue
             # prompt logprobs come from the prefill's logits: such a request computes every position
             cached = [] if req.sampling_params.prompt_logprobs is not None else \
                 self.block_manager.find_cached_prefix(req.token_ids)
@@ -124,11 +128,12 @@ class Scheduler:
                 n = budget
             if not self.block_manager.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self._admit(req, num_cached)
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
-                new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params))
+                new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                                   req.grammar))
             scheduled.append(self._scheduled(req, n))
             budget -= n
         return budget

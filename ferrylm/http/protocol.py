@@ -23,6 +23,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema is enforced whether or not `strict` is set."""
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -50,6 +64,10 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # structured output (server/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    # (json, regex, choice, grammar, json_object, disable_any_whitespace) and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class TextContentPart(BaseModel):

@@ -20,6 +20,7 @@ from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.prompt_logprobs import PromptLogprob
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
+from ferrylm.model.structured_output import apply_grammar_masks, new_matcher
 from ferrylm.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("ferrylm.runner")
@@ -130,7 +131,9 @@ class ModelRunner:
         for rid in output.finished_ids:
             self.states.pop(rid, None)
         for new in output.new_requests:
-            self.states[new.request_id] = SamplingRequestState(new.sampling_params, new.prompt_token_ids)
+            self.states[new.request_id] = SamplingRequestState(
+                new.sampling_params, new.prompt_token_ids,
+                grammar=new_matcher(new.grammar) if new.grammar is not None else None)
         if not output.scheduled:
             return RunnerOutput({}, {})
         rows = [i for i, s in enumerate(output.scheduled) if s.sample]
@@ -168,6 +171,9 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> RunnerOutput:
         states = [self.states[rid] for rid in request_ids]
+        guided = [i for i, state in enumerate(states) if state.grammar is not None]
+        if guided:  # structured output: only the tokens each row's grammar allows next
+            apply_grammar_masks(logits, guided, [states[i].grammar for i in guided])
         sampling = SamplingBatch.build(states, self.config.vocab_size, self.eos_token_ids, self.device)
         result = self.sampler(logits, sampling)
         tokens = result.token_ids.tolist()
@@ -175,6 +181,8 @@ class ModelRunner:
         for rid, state, token in zip(request_ids, states, tokens):
             state.output_token_ids.append(token)
             sampled[rid] = token
+            if state.grammar is not None and not state.grammar.accept_token(token):
+                log.warning("request %s: token %d rejected by its grammar", rid, token)
         if result.logprobs is not None:
             chosen = result.logprobs.tolist()
             top_ids, top_vals = result.top_logprob_ids.tolist(), result.top_logprobs.tolist()

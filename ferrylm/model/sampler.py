@@ -15,7 +15,7 @@ All maths on logits is batched tensor work; Python loops only build per-request 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,6 +52,7 @@ class SamplingRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: Any = None  # structured output: the request's xgrammar GrammarMatcher
 
 
 class SamplerOutput(NamedTuple):

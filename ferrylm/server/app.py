@@ -43,7 +43,7 @@ from ferrylm.http.protocol import (
 )
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import gatekeeping, inputs, prompts, serving, tokenize
+from ferrylm.server import gatekeeping, inputs, prompts, serving, structured, tokenize
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.fanout import Fanout
@@ -136,6 +136,8 @@ async def chat_completions(request: Request) -> Response:
     params = inputs.chat_params(req, core.vocab_size)
     prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
     inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "messages")
+    if params.structured_outputs is not None:
+        await structured.check_compiles(engine, params.structured_outputs)
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage))
     return await _serve(request, state, engine, ctx, [prompt], params, req, serving.stream_chat,
@@ -155,6 +157,8 @@ async def completions(request: Request) -> Response:
     prompt_ids = await prompts.completion_prompt_ids(core.tokenizer, req, core.vocab_size, core.max_model_len)
     for prompt in prompt_ids:
         inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "prompt")
+    if params.structured_outputs is not None:
+        await structured.check_compiles(engine, params.structured_outputs)
     echo = [core.tokenizer.decode(p, skip_special_tokens=False) if not isinstance(req.prompt, str) else req.prompt
             for p in prompt_ids] if req.echo else None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,

@@ -10,6 +10,7 @@ from ferrylm.http.errors import APIError, invalid
 from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from ferrylm.request_limits import ContextLengthExceeded, check_context_window, check_token_ids
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
+from ferrylm.server import structured
 from ferrylm.server.unsupported_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_supported
 
 
@@ -51,7 +52,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: 
             min_tokens=r.min_tokens or 0, stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
             stop_token_ids=list(r.stop_token_ids or []),
             include_stop_str_in_output=bool(r.include_stop_str_in_output), ignore_eos=bool(r.ignore_eos),
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=r.skip_special_tokens is not False)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=r.skip_special_tokens is not False,
+            structured_outputs=structured.from_request(r))
         check_token_ids(params, vocab_size)
     except SamplingParamsError as e:
         raise invalid(f"Invalid '{e.param}': {str(e).rstrip('.')}.", e.param) from None

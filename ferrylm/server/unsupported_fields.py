@@ -17,12 +17,11 @@ log = logging.getLogger("ferrylm.server")
 # Implementing one means deleting its entry (and honouring it).
 _UNSUPPORTED: dict[str, tuple] = {
     # OpenAI
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "audio": (), "modalities": (["text"],), "prediction": (),
     "web_search_options": (), "reasoning_effort": (), "verbosity": (), "moderation": (),
     # vLLM
-    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    "guided_whitespace_pattern": (),
     "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],), "allowed_token_ids": (),
     "logits_processors": ([],), "truncate_prompt_tokens": (), "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,), "spaces_between_special_tokens": (True,), "vllm_xargs": (),
@@ -37,7 +36,9 @@ _UNSUPPORTED_MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "tool_call_id": (
 _UNSUPPORTED_STREAM_OPTIONS: dict[str, tuple] = {"continuous_usage_stats": (False,)}
 # Known fields that change nothing we generate (parallel_tool_calls: nothing without tools, which
 # are refused): accepted without the "ignored fields" warning other unknown fields get.
-_NO_EFFECT = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+# (vLLM's guided_json / _regex / _choice / _grammar / _decoding_backend: read by structured.py)
+_NO_EFFECT = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                        "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
                         "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "cache_salt",
                         "request_id"})
 
