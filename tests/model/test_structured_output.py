@@ -1,0 +1,114 @@
+"""Structured output inside the engine on the real model: the mask touches only the rows that have a
+grammar, a grammar that is still compiling holds back only its own request, and one that fails after
+the request was queued aborts that request alone (its KV blocks freed)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+
+import pytest
+
+from ferrylm.config import SchedulerConfig
+from ferrylm.engine.block_manager import BlockManager
+from ferrylm.engine.request import Request
+from ferrylm.engine.scheduler import RequestRejected, Scheduler
+from ferrylm.model.structured_output import StructuredOutputError, check_schema, choice_grammar
+from ferrylm.outputs import FinishReason
+from ferrylm.sampling_params import SamplingParams, SamplingParamsError
+from ferrylm.sampling_params import StructuredOutputsParams as Spec
+from tests.conftest import requires_smollm2
+
+PROMPTS = ["The capital of France is", "List three fruits:", "Once upon a time"]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "rank": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["city", "rank"]}
+
+
+def test_schema_check_reads_keywords_not_property_names() -> None:
+    check_schema({"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}})
+    with pytest.raises(ValueError, match="'not'.*#/properties/a"):
+        check_schema({"type": "object", "properties": {"a": {"not": {"type": "string"}}}})
+    with pytest.raises(ValueError, match="local"):
+        check_schema({"$defs": {"x": {"$ref": "https://example.com/s.json"}}})
+    assert choice_grammar(("a", 'say "b"')) == 'root ::= "a" | "say \\"b\\""'
+
+
+def test_spec_needs_exactly_one_constraint_and_no_min_tokens() -> None:
+    with pytest.raises(SamplingParamsError, match="exactly one"):
+        Spec(regex="a", choice=("a",))
+    with pytest.raises(SamplingParamsError, match="exactly one"):
+        Spec()
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(min_tokens=2, structured_outputs=Spec(regex="a+"))
+    assert info.value.param == "min_tokens"
+    assert Spec(json={"b": 1, "a": 2}).json == '{"b": 1, "a": 2}'  # key order is the output's order
+
+
+def test_scheduler_passes_over_a_request_whose_grammar_compiles() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockManager(32, 4, True), 128)
+    pending: Future = Future()
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = Request("guided", [1, 2, 3], params, 4, 0.0, grammar=pending)
+    second = Request("plain", [4, 5, 6], params, 4, 1.0)
+    s.add_request(first)
+    s.add_request(second)
+    assert [r.request_id for r in s.schedule().scheduled] == ["plain"]
+    pending.set_result(object())
+    out = s.schedule()
+    assert [r.request_id for r in out.scheduled] == ["plain", "guided"]
+    assert out.new_requests[0].grammar is pending
+    s.check_invariants()
+
+
+@requires_smollm2
+def test_guided_rows_do_not_change_unguided_rows(llm_fp32) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    alone = [o.outputs[0].text for o in llm_fp32.generate(PROMPTS, greedy, use_tqdm=False)]
+    guided = SamplingParams(temperature=0, max_tokens=40, structured_outputs=Spec(json=SCHEMA))
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=Spec(choice=("yes", "no")))
+    mixed = llm_fp32.generate(PROMPTS * 2 + ["Answer:"], [greedy] * 3 + [guided] * 3 + [choice], use_tqdm=False)
+    assert [o.outputs[0].text for o in mixed[:3]] == alone
+    for out in mixed[3:6]:
+        assert out.outputs[0].finish_reason == FinishReason.STOP
+        value = json.loads(out.outputs[0].text)
+        assert set(value) == {"city", "rank"} and len(value["city"]) <= 12 and 0 <= value["rank"] <= 99
+    assert mixed[6].outputs[0].text in ("yes", "no")
+
+
+class _LateFailure:
+    """A compiler whose compile fails only after the request was queued (a direct engine user that
+    did not wait for the compile, as the server does)."""
+
+    def __init__(self) -> None:
+        self.future: Future = Future()
+
+    def submit(self, spec: Spec) -> Future:
+        return self.future
+
+
+@requires_smollm2
+def test_grammar_failing_after_queueing_aborts_only_that_request(llm_fp32) -> None:
+    engine = llm_fp32.engine
+    real, late = engine.grammars, _LateFailure()
+    engine.grammars = late
+    try:
+        guided = SamplingParams(temperature=0, max_tokens=8, structured_outputs=Spec(regex="(unclosed"))
+        engine.add_request("bad", "Hello", guided)
+        engine.add_request("good", "Hello", SamplingParams(temperature=0, max_tokens=4))
+        finished: dict = {}
+        for _ in range(8):
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+        assert "bad" not in finished and "good" in finished  # only the plain request advanced
+        late.future.set_exception(StructuredOutputError("Invalid 'structured_outputs': bad regex",
+                                                        "structured_outputs"))
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+        assert finished["bad"].outputs[0].finish_reason == FinishReason.ABORT
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        with pytest.raises(RequestRejected) as info:  # known to fail: refused at once
+            engine.add_request("again", "Hello", guided)
+        assert info.value.param == "structured_outputs"
+    finally:
+        engine.grammars = real
+    engine.scheduler.check_invariants()
