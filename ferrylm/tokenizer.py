@@ -94,9 +94,10 @@ class Tokenizer:
         return list(self.hf.convert_ids_to_tokens(token_ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Render with the model's own Jinja template and tokenize (no extra BOS: the template has it)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use the completions API instead")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                           tools=tools)
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

@@ -7,27 +7,45 @@ from jinja2 import TemplateError
 
 from ferrylm.http.errors import invalid
 from ferrylm.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ferrylm.http.tool_prompt import generic_conversation, template_knows_tools
 from ferrylm.request_limits import check_prompt_ids
 from ferrylm.sampling_params import SamplingParamsError
 from ferrylm.tokenizer import Tokenizer
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, request: ChatCompletionRequest) -> list[int]:
-    """Render the conversation with the model's own chat template and tokenize it."""
-    return render_messages(tokenizer, request.messages)
+    """Render the conversation (and its tools) with the model's own chat template and tokenize it."""
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    return render_messages(tokenizer, request.messages, tools=tools)
 
 
 def render_messages(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """The token ids of `messages` through the model's chat template (a message's `name` is passed
-    on, for templates that use it); shared by generation and /tokenize, so both count alike."""
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    | ({"name": m.name} if m.name is not None else {}) for m in messages]
+    on, for templates that use it; tools as tool_prompt.py renders them); shared by generation and
+    /tokenize, so both count alike."""
+    conversation = [_message_dict(m) for m in messages]
+    kwargs: dict = {}
+    if template_knows_tools(getattr(tokenizer.hf, "chat_template", None)):
+        kwargs = {"tools": tools} if tools else {}
+    elif tools or any(m.tool_calls or m.role == "tool" for m in messages):
+        conversation = generic_conversation(conversation, tools)
     try:
         return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             add_special_tokens=add_special_tokens)
+                                             add_special_tokens=add_special_tokens, **kwargs)
     except (TemplateError, ValueError) as e:
         raise invalid(f"The messages could not be rendered with the chat template: {e}", "messages") from None
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    message: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 def completion_prompt_ids(tokenizer: Tokenizer, request: CompletionRequest, vocab_size: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-FinishReasonStr = Literal["stop", "length", "abort"]
+FinishReasonStr = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class StreamOptions(BaseModel):
@@ -75,14 +75,49 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends and returns it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (None: no arguments)
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
+
+
 class ChatMessage(BaseModel):
-    """A message of the conversation; content may be a string or a list of text parts."""
+    """A message of the conversation; content may be a string or a list of text parts. An assistant
+    message may carry the `tool_calls` it made, a `tool` message the result of one (`tool_call_id`)."""
 
-    model_config = ConfigDict(extra="allow")  # tool_calls, audio...: refused by inputs.check_supported
+    model_config = ConfigDict(extra="allow")  # audio...: refused by inputs.check_supported
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -96,6 +131,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: True (OpenAI's default)
 
 
 class CompletionRequest(SamplingRequest):
@@ -146,7 +184,8 @@ class PromptLogprobEntry(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -154,6 +193,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas (index, id, type, function)
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict:

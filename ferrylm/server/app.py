@@ -133,13 +133,13 @@ async def chat_completions(request: Request) -> Response:
     model = state.resolve_model(req.model)
     core = engine.model_info
     check_num_sequences(1, req.n or 1, state.config.max_sequences_per_request)
-    params = inputs.chat_params(req, core.vocab_size)
+    params, tool_plan = inputs.chat_params(req, core.vocab_size)
     prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
     inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "messages")
     if params.structured_outputs is not None:
         await structured.check_compiles(engine, params.structured_outputs)
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
-                          bool(req.stream_options and req.stream_options.include_usage))
+                          bool(req.stream_options and req.stream_options.include_usage), tools=tool_plan)
     return await _serve(request, state, engine, ctx, [prompt], params, req, serving.stream_chat,
                         serving.chat_response)
 

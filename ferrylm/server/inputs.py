@@ -9,8 +9,8 @@ from __future__ import annotations
 from ferrylm.http.errors import APIError, invalid
 from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from ferrylm.request_limits import ContextLengthExceeded, check_context_window, check_token_ids
-from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import structured
+from ferrylm.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from ferrylm.server import structured, tools
 from ferrylm.server.unsupported_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_supported
 
 
@@ -36,10 +36,17 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    vocab_size: int, prompt_logprobs: int | None = None) -> SamplingParams:
+                    vocab_size: int, prompt_logprobs: int | None = None,
+                    tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """Build the engine's SamplingParams; a range error or a token id outside the vocabulary
-    (request_limits.check_token_ids, the engine's own check) becomes a 400 naming the field."""
+    (request_limits.check_token_ids, the engine's own check) becomes a 400 naming the field.
+    `tool_constraint`: a forced tool choice's grammar (tools.py), exclusive with response_format."""
     r = request
+    constraint = structured.from_request(r)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise invalid(f"'{constraint.param}' cannot be combined with a forced 'tool_choice'.", constraint.param)
+        constraint = tool_constraint
     try:
         params = SamplingParams(
             n=r.n or 1, temperature=1.0 if r.temperature is None else r.temperature,
@@ -53,7 +60,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: 
             stop_token_ids=list(r.stop_token_ids or []),
             include_stop_str_in_output=bool(r.include_stop_str_in_output), ignore_eos=bool(r.ignore_eos),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=r.skip_special_tokens is not False,
-            structured_outputs=structured.from_request(r))
+            structured_outputs=constraint)
         check_token_ids(params, vocab_size)
     except SamplingParamsError as e:
         raise invalid(f"Invalid '{e.param}': {str(e).rstrip('.')}.", e.param) from None
@@ -65,14 +72,26 @@ def check_streaming_options(request: SamplingRequest) -> None:
         raise invalid("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
 
 
-def chat_params(request: ChatCompletionRequest, vocab_size: int) -> SamplingParams:
+def chat_params(request: ChatCompletionRequest, vocab_size: int) -> tuple[SamplingParams, tools.ToolPlan | None]:
+    """The engine's SamplingParams and the tool plan the answer is shaped by (None: no tool calling)."""
     check_supported(request, CHAT_FIELDS)
     check_streaming_options(request)
+    check_tool_messages(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens or request.max_tokens
-    return sampling_params(request, max_tokens, logprobs, vocab_size)
+    plan = tools.plan(request)
+    return sampling_params(request, max_tokens, logprobs, vocab_size,
+                           tool_constraint=plan.constraint() if plan is not None else None), plan
+
+
+def check_tool_messages(request: ChatCompletionRequest) -> None:
+    """A `tool` message answers a call: it needs the call's id (OpenAI's rule)."""
+    for i, message in enumerate(request.messages):
+        if message.role == "tool" and not message.tool_call_id:
+            raise invalid(f"Invalid 'messages[{i}]': a 'tool' message needs 'tool_call_id'.",
+                          f"messages.{i}.tool_call_id")
 
 
 def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingParams:

@@ -32,6 +32,7 @@ from ferrylm.http.protocol import (
 from ferrylm.outputs import FinishReason, RequestOutput, Usage
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.logprobs import chat_logprobs, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
+from ferrylm.server.tools import ToolPlan, ToolStream, call_deltas
 from ferrylm.tokenizer import Tokenizer
 
 log = logging.getLogger("ferrylm.server")
@@ -49,6 +50,7 @@ class ResponseContext:
     include_usage: bool = False
     echo: list[str] | None = None  # completions with echo: each prompt's text
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs on /v1/completions: alternatives per token
+    tools: ToolPlan | None = None  # chat with tool calling: the output is parsed into tool_calls
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.monotonic)
 
@@ -104,29 +106,43 @@ def chat_response(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutp
         lp = None
         if ctx.top_logprobs is not None and c.logprobs is not None:
             lp = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, ctx.top_logprobs)
-        choices.append(ChatChoice(index=i, message=AssistantMessage(content=c.text), logprobs=lp,
-                                  finish_reason=_reason(out)))
+        content, calls = ctx.tools.parse(c.text) if ctx.tools is not None else (c.text, [])
+        choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
+                                  logprobs=lp, finish_reason=_tool_reason(out, calls)))
     _log_finished(ctx, fanout, finals, stream=False)
     return ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
                                   usage=usage(fanout, finals))
+
+
+def _tool_reason(out: RequestOutput, calls: list) -> FinishReasonStr | None:
+    """OpenAI's `tool_calls` when the model ended by itself with calls; a cut-off output stays `length`."""
+    reason = _reason(out)
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _chat_chunk(ctx: ResponseContext, choice: ChatStreamChoice) -> str:
     return sse(ChatCompletionChunk(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]))
 
 
-def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput) -> list[str]:
+def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput, tool: ToolStream | None) -> list[str]:
     c = out.outputs[0]
     events = []
-    if c.text_delta or (ctx.top_logprobs is not None and c.token_ids_delta):
+    text = tool.feed(c.text_delta) if tool is not None else c.text_delta
+    if text or (ctx.top_logprobs is not None and c.token_ids_delta):
         lp = None
         if ctx.top_logprobs is not None:
             lp = chat_logprobs(ctx.tokenizer, *_new_tokens(out), ctx.top_logprobs)
-        events.append(_chat_chunk(ctx, ChatStreamChoice(index=index, delta=DeltaMessage(content=c.text_delta),
+        events.append(_chat_chunk(ctx, ChatStreamChoice(index=index, delta=DeltaMessage(content=text or ""),
                                                         logprobs=lp)))
     if out.finished:
+        calls: list = []
+        if tool is not None:
+            rest, calls = tool.finish()
+            if rest or calls:
+                events.append(_chat_chunk(ctx, ChatStreamChoice(index=index, delta=DeltaMessage(
+                    content=rest or None, tool_calls=call_deltas(calls) or None))))
         events.append(_chat_chunk(ctx, ChatStreamChoice(index=index, delta=DeltaMessage(),
-                                                        finish_reason=_reason(out))))
+                                                        finish_reason=_tool_reason(out, calls))))
     return events
 
 
@@ -138,8 +154,9 @@ def stream_chat(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, Non
 async def _chat_events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
     for i in range(fanout.num_choices):
         yield _chat_chunk(ctx, ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+    tools = {i: ToolStream(ctx.tools) for i in range(fanout.num_choices)} if ctx.tools is not None else {}
     async for index, out in fanout:
-        for event in _chat_deltas(ctx, index, out):
+        for event in _chat_deltas(ctx, index, out, tools.get(index)):
             yield event
     for event in _closing_events(ctx, fanout, lambda u: ChatCompletionChunk(
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=u)):

@@ -17,7 +17,7 @@ log = logging.getLogger("ferrylm.server")
 # Implementing one means deleting its entry (and honouring it).
 _UNSUPPORTED: dict[str, tuple] = {
     # OpenAI
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "functions": ([],),
     "function_call": ("none",), "audio": (), "modalities": (["text"],), "prediction": (),
     "web_search_options": (), "reasoning_effort": (), "verbosity": (), "moderation": (),
     # vLLM
@@ -32,13 +32,13 @@ CHAT_FIELDS = _UNSUPPORTED | {
     "mm_processor_kwargs": (), "prompt_logprobs": (),  # prompt logprobs: /v1/completions only
 }
 COMPLETION_FIELDS = _UNSUPPORTED | {"add_special_tokens": (True,)}
-_UNSUPPORTED_MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "tool_call_id": (), "function_call": (), "audio": ()}
+_UNSUPPORTED_MESSAGE: dict[str, tuple] = {"function_call": (), "audio": ()}
 _UNSUPPORTED_STREAM_OPTIONS: dict[str, tuple] = {"continuous_usage_stats": (False,)}
-# Known fields that change nothing we generate (parallel_tool_calls: nothing without tools, which
-# are refused): accepted without the "ignored fields" warning other unknown fields get.
+# Known fields that change nothing we generate: accepted without the "ignored fields" warning other
+# unknown fields get.
 # (vLLM's guided_json / _regex / _choice / _grammar / _decoding_backend: read by structured.py)
 _NO_EFFECT = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                        "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+                        "metadata", "store", "service_tier", "safety_identifier",
                         "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "cache_salt",
                         "request_id"})
 

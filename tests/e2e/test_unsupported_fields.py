@@ -1,5 +1,5 @@
-"""Fields that would change the output but are not implemented yet (tools, tool_choice, functions,
-audio, vLLM's beam search, ...) get a 400 naming the field
+"""Fields that would change the output but are not implemented yet (the deprecated functions /
+function_call, audio, vLLM's beam search, ...) get a 400 naming the field
 (code unsupported_parameter) from `ferrylm serve`, through the official openai client and raw
 HTTP, and through `ferrylm gateway` (which passes bodies on); the values that ask for nothing
 (response_format text, tool_choice "none", tools [], null) and unknown fields that change nothing
@@ -44,9 +44,6 @@ def refused(call, param: str) -> None:
 
 
 SDK_CASES = [  # (param, kwargs of client.chat.completions.create)
-    ("tools", {"tools": [TOOL]}),
-    ("tools", {"tools": [TOOL], "tool_choice": "auto"}),
-    ("tool_choice", {"tool_choice": "required"}),
     ("functions", {"functions": [TOOL["function"]]}),
     ("function_call", {"function_call": {"name": "get_weather"}}),
     ("modalities", {"modalities": ["text", "audio"]}),
@@ -73,9 +70,8 @@ VLLM_CASES = [  # (path, extra fields, param)
     ("/v1/chat/completions", {"bad_words": ["hi"]}, "bad_words"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
-    ("/v1/chat/completions", {"messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]},
-     "messages.1.tool_calls"),
+    ("/v1/chat/completions", {"messages": [*MESSAGES, {"role": "assistant", "content": None, "function_call": {
+        "name": "get_weather", "arguments": "{}"}}]}, "messages.1.function_call"),
     ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
 ]
@@ -110,7 +106,7 @@ def test_refused_through_the_gateway(server):
     try:
         gateway.wait_ready(60)
         refused(lambda: gateway.client().chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=4, tools=[TOOL]), "tools")
+            model=MODEL, messages=MESSAGES, max_tokens=4, functions=[TOOL["function"]]), "functions")
         r = httpx.post(gateway.url("/v1/chat/completions"), json=body_for("/v1/chat/completions",
                                                                           {"use_beam_search": True}), timeout=60)
         assert check_error(r, 400, "use_beam_search")["code"] == "unsupported_parameter"
