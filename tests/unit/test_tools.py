@@ -44,7 +44,8 @@ def test_forced_modes_parse_their_json() -> None:
 
 def test_stream_holds_back_a_possible_tag_and_releases_text_that_is_not_one() -> None:
     stream = ToolStream(AUTO)
-    pieces = [stream.feed(d) for d in ["Let me check.\n<to", "ol_call>\n{\"name\"", TEXT[len("Let me check.\n<tool_call>\n{\"name\""):]]]
+    head = "Let me check.\n<tool_call>\n{\"name\""
+    pieces = [stream.feed(d) for d in ["Let me check.\n<to", head[len("Let me check.\n<to"):], TEXT[len(head):]]]
     assert "".join(pieces) == "Let me check.\n"
     rest, calls = stream.finish()
     assert rest == "" and [c.function.name for c in calls] == ["get_weather", "add"]
