@@ -119,6 +119,9 @@ class GrammarCompiler:
             compiled = self._compile_kind(self._xgrammar_compiler(), spec)
         except (RuntimeError, ValueError) as e:
             raise StructuredOutputError(f"Invalid '{spec.param}': {_clean(e)}", spec.param) from None
+        except ImportError:
+            raise StructuredOutputError("structured output needs xgrammar (pip install 'ferrylm[server]')",
+                                        spec.param) from None
         self.compile_seconds[spec.key()] = time.perf_counter() - started
         return compiled
 
