@@ -55,7 +55,7 @@ def test_detokenize_round_trips_text(api_server):
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": "hi", "chat_template": "{{ x }}"}, 400, "chat_template"),
     ("/tokenize", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, 400,
-     "messages.0.tool_calls"),
+     "messages.0.tool_calls.0.function"),  # a tool call without its function
     ("/tokenize", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("/detokenize", {"tokens": [1, 10 ** 9]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
