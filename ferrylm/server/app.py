@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/models[/{id}]), vLLM's
+"""The FastAPI app: OpenAI routes (/v1/chat/completions, /v1/completions, /v1/responses,
+/v1/models[/{id}]), vLLM's
 /tokenize, /detokenize and /version, health,
 readiness and metrics, wired to one ServerState. Handlers stay thin: inputs.py validates,
 fanout.py runs the engine requests, serving.py shapes the answer."""
@@ -41,9 +42,10 @@ from ferrylm.http.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from ferrylm.http.responses_protocol import ResponsesRequest, to_chat_request
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import gatekeeping, inputs, prompts, serving, structured, tokenize
+from ferrylm.server import gatekeeping, inputs, prompts, responses, serving, structured, tokenize
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.fanout import Fanout
@@ -166,6 +168,33 @@ async def completions(request: Request) -> Response:
                           prompt_logprobs=req.prompt_logprobs)
     return await _serve(request, state, engine, ctx, prompt_ids, params, req, serving.stream_completion,
                         serving.completion_response)
+
+
+async def create_response(request: Request) -> Response:
+    """POST /v1/responses: run as a one-choice chat request, answered in the Responses shape."""
+    state = _state(request)
+    await gatekeeping.authenticate(request, state)
+    engine = state.admit()
+    body = parse_model(ResponsesRequest, await read_json_body(request, state.config.max_body_bytes))
+    req = to_chat_request(body)
+    ctx_id = _request_id(request, "resp")
+    model = state.resolve_model(req.model)
+    core = engine.model_info
+    try:
+        params, tool_plan = inputs.chat_params(req, core.vocab_size)
+        prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
+        inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "input")
+        if params.structured_outputs is not None:
+            await structured.check_compiles(engine, params.structured_outputs)
+    except APIError as e:  # name the Responses field, not the chat one it became
+        e.param = responses.RESPONSES_PARAMS.get(e.param or "", e.param)
+        e.message = e.message.replace("'response_format'", "'text.format'").replace("'max_completion_tokens'",
+                                                                                  "'max_output_tokens'")
+        raise
+    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan)
+    echo = responses.echo_fields(body)
+    return await _serve(request, state, engine, ctx, [prompt], params, req, responses.responses_streamer(echo),
+                        responses.responses_shaper(echo))
 
 
 async def list_models(request: Request) -> ModelList:
@@ -297,6 +326,9 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> Fas
     v1.add_api_route("/completions", completions, methods=["POST"],
                      responses={200: {"model": CompletionResponse, "content": {"text/event-stream": {}}}}
                      | generation_errors, openapi_extra=json_body_openapi(CompletionRequest))
+    v1.add_api_route("/responses", create_response, methods=["POST"],
+                     responses={200: {"content": {"text/event-stream": {}}}} | generation_errors,
+                     openapi_extra=json_body_openapi(ResponsesRequest))
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
     v1.add_api_route("/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard,
                      responses=error_responses(404))

@@ -73,7 +73,7 @@ def _reason(out: RequestOutput) -> FinishReasonStr | None:
     return cast(FinishReasonStr, value)
 
 
-def _log_finished(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput], stream: bool) -> None:
+def log_finished(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput], stream: bool) -> None:
     u = usage(fanout, finals)
     log.info("request finished", extra={
         "request_id": ctx.request_id, "stream": stream, "finish_reasons": [_reason(f) for f in finals],
@@ -109,7 +109,7 @@ def chat_response(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutp
         content, calls = ctx.tools.parse(c.text) if ctx.tools is not None else (c.text, [])
         choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
                                   logprobs=lp, finish_reason=_tool_reason(out, calls)))
-    _log_finished(ctx, fanout, finals, stream=False)
+    log_finished(ctx, fanout, finals, stream=False)
     return ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
                                   usage=usage(fanout, finals))
 
@@ -148,7 +148,7 @@ def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput, tool: Too
 
 def stream_chat(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
     """`chat.completion.chunk` events for a started Fanout; closes it however the stream ends."""
-    return _guarded(ctx, fanout, _chat_events(ctx, fanout))
+    return guarded(ctx, fanout, _chat_events(ctx, fanout))
 
 
 async def _chat_events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
@@ -167,11 +167,11 @@ def _closing_events(ctx: ResponseContext, fanout: Fanout, usage_chunk: Callable)
     """After every choice finished: the usage chunk when asked for, and the request's log line."""
     finals = fanout.finals()
     events = [sse(usage_chunk(usage(fanout, finals)))] if ctx.include_usage else []
-    _log_finished(ctx, fanout, finals, stream=True)
+    log_finished(ctx, fanout, finals, stream=True)
     return events
 
 
-async def _guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+async def guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
     """The SSE skeleton both endpoints share: a failure is reported in-band (the status line is
     already sent, as OpenAI does), the fanout is closed however the stream ends, [DONE] comes last."""
     try:
@@ -218,7 +218,7 @@ def completion_response(ctx: ResponseContext, fanout: Fanout, finals: list[Reque
             plp = vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, ctx.prompt_logprobs)
         choices.append(CompletionChoice(index=i, text=prefix + c.text, logprobs=lp, finish_reason=_reason(out),
                                         prompt_logprobs=plp))
-    _log_finished(ctx, fanout, finals, stream=False)
+    log_finished(ctx, fanout, finals, stream=False)
     return CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
                               usage=usage(fanout, finals))
 
@@ -241,7 +241,7 @@ def _completion_chunk(ctx: ResponseContext, index: int, out: RequestOutput, sent
 
 def stream_completion(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
     """`text_completion` events for a started Fanout; closes it however the stream ends."""
-    return _guarded(ctx, fanout, _completion_events(ctx, fanout))
+    return guarded(ctx, fanout, _completion_events(ctx, fanout))
 
 
 async def _completion_events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
