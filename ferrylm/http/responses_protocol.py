@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ferrylm.http.errors import invalid
+from ferrylm.http.errors import invalid, parse_model
 from ferrylm.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -157,7 +157,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     # other fields go along: vLLM's sampling extras (top_k, stop, ...) are honoured, output-changing
     # ones not implemented are refused by name and the rest logged as ignored, as on chat
     extras = {k: v for k, v in (request.model_extra or {}).items() if k not in UNSUPPORTED}
-    return ChatCompletionRequest.model_validate(extras | {
+    return parse_model(ChatCompletionRequest, extras | {
         "model": request.model, "messages": _messages(request), "max_completion_tokens": request.max_output_tokens,
         "temperature": request.temperature, "top_p": request.top_p, "stream": request.stream, "seed": request.seed,
         "user": request.user, "tools": tools or None, "tool_choice": choice,
