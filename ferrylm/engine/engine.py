@@ -126,7 +126,8 @@ class Engine:
         direct caller that did not wait for the compile); forget those that compiled."""
         failed = [r for r in self._compiling
                   if r.grammar is not None and r.grammar.done() and r.grammar.exception() is not None]
-        self._compiling = [r for r in self._compiling if r.grammar_pending and not r.is_finished]
+        self._compiling = [r for r in self._compiling
+                           if r.grammar is not None and not r.grammar.done() and not r.is_finished]
         outputs = [self.abort(r.request_id) for r in failed]
         return [out for out in outputs if out is not None]
 
@@ -146,9 +147,9 @@ class Engine:
         if not sched.scheduled:
             if sched.finished_ids:  # let the runner forget them (sampling state, grammar matchers)
                 self.runner.execute(sched)
-            if self._compiling:  # idle until a grammar is ready instead of spinning
-                wait([r.grammar for r in self._compiling if r.grammar is not None], timeout=0.05,
-                     return_when=FIRST_COMPLETED)
+            pending = [r.grammar for r in self._compiling if r.grammar is not None]
+            if pending:  # idle until a grammar is ready instead of spinning
+                wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
             return failed
         result = self.runner.execute(sched)
         updated = self.scheduler.update(sched, result.sampled)

@@ -69,7 +69,8 @@ class Request:
 
     @property
     def grammar_pending(self) -> bool:
-        return self.grammar is not None and not self.grammar.done()
+        """Not schedulable yet: its grammar still compiles, or failed (the engine aborts it)."""
+        return self.grammar is not None and (not self.grammar.done() or self.grammar.exception() is not None)
 
     @property
     def sort_key(self) -> tuple[int, float, str]:

@@ -51,12 +51,15 @@ def test_scheduler_passes_over_a_request_whose_grammar_compiles() -> None:
     params = SamplingParams(temperature=0, max_tokens=4)
     first = Request("guided", [1, 2, 3], params, 4, 0.0, grammar=pending)
     second = Request("plain", [4, 5, 6], params, 4, 1.0)
+    failed: Future = Future()
+    failed.set_exception(StructuredOutputError("bad", "structured_outputs"))
     s.add_request(first)
     s.add_request(second)
+    s.add_request(Request("failed", [7, 8], params, 4, 2.0, grammar=failed))  # the engine aborts it
     assert [r.request_id for r in s.schedule().scheduled] == ["plain"]
     pending.set_result(object())
     out = s.schedule()
-    assert [r.request_id for r in out.scheduled] == ["plain", "guided"]
+    assert [r.request_id for r in out.scheduled] == ["plain", "guided"]  # never "failed"
     assert out.new_requests[0].grammar is pending
     s.check_invariants()
 
