@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from tests.e2e.server_process import ServerProcess
 
 MODEL = "smollm2-135m"
-Short = Annotated[str, Field(max_length=24)]
+Short = Annotated[str, Field(max_length=16)]
 
 
 class Color(str, enum.Enum):
@@ -30,16 +30,16 @@ class Color(str, enum.Enum):
 
 class Address(BaseModel):
     city: Short
-    zip_code: Annotated[str, Field(max_length=8)] | None = None
+    zip_code: Annotated[str, Field(max_length=6)] | None = None
 
 
 class Person(BaseModel):
     name: Short
     age: int = Field(ge=0, le=120)
     favourite_color: Color
-    hobbies: list[Short] = Field(max_length=3)
+    hobbies: list[Short] = Field(max_length=2)
     address: Address
-    nickname: Annotated[str, Field(max_length=16)] | None = None
+    nickname: Annotated[str, Field(max_length=10)] | None = None
 
 
 def _ask(i: int) -> list[dict]:
@@ -52,7 +52,7 @@ def test_parse_pydantic_20_of_20(api_server: ServerProcess) -> None:
 
     async def one(i: int):
         r = await client.chat.completions.parse(model=MODEL, messages=_ask(i), response_format=Person,
-                                                temperature=0, max_tokens=400)
+                                                temperature=0, max_tokens=300)
         return r.choices[0]
 
     async def run():
@@ -68,7 +68,7 @@ def test_parse_pydantic_20_of_20(api_server: ServerProcess) -> None:
 
 def test_json_object_parses(client) -> None:
     r = client.chat.completions.create(model=MODEL, messages=_ask(0), response_format={"type": "json_object"},
-                                       temperature=0, max_tokens=200)
+                                       temperature=0, max_tokens=80)
     content = r.choices[0].message.content
     if r.choices[0].finish_reason == "stop":  # an object the model ends by itself
         assert isinstance(json.loads(content), dict)
@@ -103,14 +103,14 @@ def test_ebnf_grammar(client) -> None:
 def test_streamed_schema_output_joins_to_valid_json(client) -> None:
     schema = Person.model_json_schema()
     stream = client.chat.completions.create(
-        model=MODEL, messages=_ask(7), temperature=0, max_tokens=400, stream=True,
+        model=MODEL, messages=_ask(7), temperature=0, max_tokens=300, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
     assert Person.model_validate_json(text)
     whole = client.chat.completions.create(
-        model=MODEL, messages=_ask(7), temperature=0, max_tokens=400,
+        model=MODEL, messages=_ask(7), temperature=0, max_tokens=300,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
     assert whole.choices[0].message.content == text
 
