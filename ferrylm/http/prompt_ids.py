@@ -3,6 +3,8 @@ completions. Shared by the server (engine inputs) and the router (token counts, 
 
 from __future__ import annotations
 
+import json
+
 from jinja2 import TemplateError
 
 from ferrylm.http.errors import invalid
@@ -28,6 +30,7 @@ def render_messages(tokenizer: Tokenizer, messages: list[ChatMessage], add_gener
     kwargs: dict = {}
     if template_knows_tools(getattr(tokenizer.hf, "chat_template", None)):
         kwargs = {"tools": tools} if tools else {}
+        conversation = [_arguments_as_objects(m) for m in conversation]
     elif tools or any(m.tool_calls or m.role == "tool" for m in messages):
         conversation = generic_conversation(conversation, tools)
     try:
@@ -35,6 +38,21 @@ def render_messages(tokenizer: Tokenizer, messages: list[ChatMessage], add_gener
                                              add_special_tokens=add_special_tokens, **kwargs)
     except (TemplateError, ValueError) as e:
         raise invalid(f"The messages could not be rendered with the chat template: {e}", "messages") from None
+
+
+def _arguments_as_objects(message: dict) -> dict:
+    """Tool-call arguments as objects, as transformers' chat templates expect them (OpenAI sends the
+    JSON text; text that is not JSON stays as it came)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except (json.JSONDecodeError, TypeError):
+            arguments = call["function"]["arguments"]
+        calls.append(call | {"function": call["function"] | {"arguments": arguments}})
+    return message | {"tool_calls": calls}
 
 
 def _message_dict(m: ChatMessage) -> dict:

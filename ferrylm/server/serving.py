@@ -1,7 +1,8 @@
 """RequestOutput → OpenAI JSON responses and SSE chunks, for chat completions and completions.
 
-Streams flush one event per engine step (never buffered): the role chunk first (chat), content
-deltas, each choice's finish_reason, the usage chunk when asked, then `data: [DONE]`.
+Streams flush one event per engine step (never buffered; with tools, text that may be a tool call is
+held until it is clear, tools.ToolStream): the role chunk first (chat), content deltas, each choice's
+finish_reason, the usage chunk when asked, then `data: [DONE]`.
 """
 
 from __future__ import annotations

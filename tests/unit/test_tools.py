@@ -3,10 +3,12 @@ on texts a model could write: what becomes a call, what stays content, what stre
 
 from __future__ import annotations
 
+import copy
 import json
 
 from ferrylm.http.tool_prompt import generic_conversation
 from ferrylm.server.tools import ToolPlan, ToolStream
+from tests.conftest import requires_smollm2
 
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}, "add": {}}
 AUTO = ToolPlan("auto", SCHEMAS, parallel=True)
@@ -71,3 +73,29 @@ def test_generic_conversation_renders_calls_results_and_tools() -> None:
     assert out[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert out[3]["content"].count("<tool_response>") == 2 and '"18C"' in out[3]["content"]
     assert all(set(m) <= {"role", "content", "name"} for m in out)
+
+
+TOOLS_TEMPLATE = ("{% for t in tools or [] %}TOOL:{{ t.function.name }}\n{% endfor %}{% for m in messages %}"
+                  "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}CALL:{{ c.function.name }}"
+                  "({{ c.function.arguments.city }}){% endfor %}\n{% endfor %}")
+
+
+@requires_smollm2
+def test_a_template_that_knows_tools_gets_them_and_argument_objects() -> None:
+    from ferrylm.http.prompt_ids import render_messages
+    from ferrylm.http.protocol import ChatMessage
+    from ferrylm.model.model_source import resolve_model
+    from ferrylm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(resolve_model("smollm2-135m"), (2,))
+    tokenizer.hf = copy.copy(tokenizer.hf)
+    tokenizer.hf.chat_template = TOOLS_TEMPLATE
+    messages = [ChatMessage.model_validate(m) for m in [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"}]]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    text = tokenizer.decode(render_messages(tokenizer, messages, tools=tools), skip_special_tokens=False)
+    assert text.startswith("TOOL:get_weather\nuser:Weather?assistant:CALL:get_weather(Paris)tool:18C")  # trim_blocks
+    assert "<tool_call>" not in text  # the generic prompt is only for templates without tools
