@@ -53,6 +53,7 @@ from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
 from ferrylm.server.serving import ResponseContext
 from ferrylm.server.state import ServerState
+from ferrylm.server.tools import ToolPlan
 
 log = logging.getLogger("ferrylm.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -126,6 +127,19 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
     return JSONResponse(shaper(ctx, fanout, finals).model_dump(), headers=headers)
 
 
+async def _chat_inputs(engine: EngineClient, req: ChatCompletionRequest, what: str
+                       ) -> tuple[SamplingParams, ToolPlan | None, list[int]]:
+    """A chat request's SamplingParams, tool plan and prompt ids, each checked (400s): the fields,
+    the context window (`what` names the field the prompt came from) and the output constraint."""
+    core = engine.model_info
+    params, tool_plan = inputs.chat_params(req, core.vocab_size)
+    prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
+    inputs.check_fits(prompt, params.max_tokens, core.max_model_len, what)
+    if params.structured_outputs is not None:
+        await structured.check_compiles(engine, params.structured_outputs)
+    return params, tool_plan, prompt
+
+
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
     await gatekeeping.authenticate(request, state)
@@ -135,11 +149,7 @@ async def chat_completions(request: Request) -> Response:
     model = state.resolve_model(req.model)
     core = engine.model_info
     check_num_sequences(1, req.n or 1, state.config.max_sequences_per_request)
-    params, tool_plan = inputs.chat_params(req, core.vocab_size)
-    prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
-    inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "messages")
-    if params.structured_outputs is not None:
-        await structured.check_compiles(engine, params.structured_outputs)
+    params, tool_plan, prompt = await _chat_inputs(engine, req, "messages")
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage), tools=tool_plan)
     return await _serve(request, state, engine, ctx, [prompt], params, req, serving.stream_chat,
@@ -181,11 +191,7 @@ async def create_response(request: Request) -> Response:
     model = state.resolve_model(req.model)
     core = engine.model_info
     try:
-        params, tool_plan = inputs.chat_params(req, core.vocab_size)
-        prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
-        inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "input")
-        if params.structured_outputs is not None:
-            await structured.check_compiles(engine, params.structured_outputs)
+        params, tool_plan, prompt = await _chat_inputs(engine, req, "input")
     except APIError as e:  # name the Responses field, not the chat one it became
         e.param = responses.RESPONSES_PARAMS.get(e.param or "", e.param)
         e.message = e.message.replace("'response_format'", "'text.format'").replace("'max_completion_tokens'",
