@@ -35,6 +35,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineConfig.enforce_eager,
                    help="run every step eagerly: no compiled decode step (CPU; compiled at start-up, cached "
                         "under $FERRYLM_CACHE_DIR) and no CUDA graphs")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (prompt_lookup_min, disable_by_batch_size optional)')
+
+
+def _speculative_config(value: str):
+    """argparse type: a bad --speculative-config is a usage error at start-up, naming what is wrong."""
+    from ferrylm.config import ConfigError, SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(value)
+    except (ConfigError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -42,7 +55,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, speculative=args.speculative_config,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype),

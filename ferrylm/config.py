@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import dataclass, field, fields, replace
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,62 @@ class QuantConfig:
         return cls(value)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_PLANNED = ("draft_model", "layer_skip", "eagle", "medusa", "mtp")  # vLLM's, not built here yet
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config (vLLM's JSON): how drafts are proposed and how many per step.
+
+    ngram: prompt lookup, the last prompt_lookup_max..prompt_lookup_min tokens matched earlier in the
+    request's own tokens. disable_by_batch_size: no drafts in a step with more running sequences
+    than this (verification then costs more than it saves; bench/speculative.py measures it).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in SPECULATIVE_PLANNED:
+            raise ConfigError(f"--speculative-config method {self.method!r} is not implemented in this version; "
+                              f"supported: {', '.join(SPECULATIVE_METHODS)}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-config method {self.method!r} is unknown; supported: "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ConfigError("--speculative-config num_speculative_tokens must be an integer >= 1, "
+                              f"not {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max "
+                              f"(got {self.prompt_lookup_min}, {self.prompt_lookup_max})")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ConfigError("--speculative-config disable_by_batch_size must be >= 1")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From the flag's JSON text or LLM(speculative_config=dict); unknown keys are an error."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"--speculative-config has unknown keys {unknown}; known: {sorted(known)}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ConfigError("--speculative-config needs 'method' and 'num_speculative_tokens'")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs: which model, its dtype/device, the cache and the scheduler."""
@@ -109,6 +166,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     quantization: str | None = None  # --quantization; None: GGUF kept packed where a kernel runs, else none
     enforce_eager: bool = False  # --enforce-eager: no compiled decode step (CPU) and no CUDA graphs
+    speculative: SpeculativeConfig | None = None  # --speculative-config
 
     def __post_init__(self) -> None:
         if self.quantization is not None:

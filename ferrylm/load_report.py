@@ -34,6 +34,11 @@ class LoadReport:
     num_running_certain_output_tokens: int
     max_num_seqs: int | None  # the batch size; None: not known
     healthy: bool = True
+    # speculative decoding (cumulative): verifying steps, draft tokens, accepted ones, accepted per position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -51,7 +56,7 @@ class LoadReport:
     @classmethod
     def empty(cls, *, healthy: bool = True) -> LoadReport:
         """No work and no capacity: what a group with no replica reporting looks like."""
-        counts = {f.name: 0 for f in dataclasses.fields(cls) if f.type == "int"}
+        counts: dict = {f.name: 0 for f in dataclasses.fields(cls) if f.type == "int"}
         return cls(**counts, max_num_seqs=None, healthy=healthy)
 
     def to_json(self) -> dict:
@@ -78,12 +83,16 @@ class LoadReport:
         the fleet's), the batch size summed when every replica reports one, healthy if any is."""
         if not reports:
             raise ValueError("no load reports to combine")
-        counts = {f.name: sum(getattr(r, f.name) for r in reports)
-                  for f in dataclasses.fields(cls) if f.type == "int"}
+        counts: dict = {f.name: sum(getattr(r, f.name) for r in reports)
+                        for f in dataclasses.fields(cls) if f.type == "int"}
         seqs = [r.max_num_seqs for r in reports]
         known = [s for s in seqs if s is not None]
+        per_pos = [0] * max(len(r.spec_decode_num_accepted_tokens_per_pos) for r in reports)
+        for r in reports:
+            for i, v in enumerate(r.spec_decode_num_accepted_tokens_per_pos):
+                per_pos[i] += v
         return cls(**counts, max_num_seqs=sum(known) if len(known) == len(seqs) else None,
-                   healthy=any(r.healthy for r in reports))
+                   healthy=any(r.healthy for r in reports), spec_decode_num_accepted_tokens_per_pos=per_pos)
 
 
 def _has_type(value: object, annotation: str) -> bool:
@@ -95,4 +104,6 @@ def _has_type(value: object, annotation: str) -> bool:
         return is_int
     if annotation == "int | None":
         return value is None or is_int
+    if annotation == "list[int]":
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     raise TypeError(f"no JSON rule for {annotation}")

@@ -63,6 +63,15 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # speculative decoding: steps that verified a draft, draft tokens proposed, and of those accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens per verifying step (accepted drafts + the target's own), vLLM's mean acceptance length."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
 
 @dataclass

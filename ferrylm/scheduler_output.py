@@ -25,6 +25,9 @@ class ScheduledRequest(NamedTuple):
     num_computed_tokens: int  # tokens already in the cache before this step
     block_ids: list[int]
     sample: bool  # True when this chunk reaches the end of the known tokens
+    # Speculative decoding: proposed tokens, the tail of token_ids; their K/V is computed and the
+    # target's logits at every one of them verify the draft (not yet part of the request)
+    draft_token_ids: tuple[int, ...] = ()
 
 
 class SchedulerOutput(NamedTuple):

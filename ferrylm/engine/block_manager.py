@@ -166,6 +166,18 @@ class BlockManager:
             self.pool.register(table[i], key)
             hashes.append(hash(key))
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past those `num_tokens` tokens need (the slots of rejected draft
+        tokens). Registered blocks are full blocks of accepted tokens, so they are never past."""
+        table = self.tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        if len(self._hashed.get(request_id, ())) > keep:
+            raise AssertionError(f"{request_id}: trimming a registered block")
+        self.pool.release(table[keep:])
+        self.tables[request_id] = table[:keep]
+
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks (cached ones stay findable until evicted)."""
         self.pool.release(self.tables.pop(request_id, []))

@@ -71,7 +71,8 @@ class Engine:
         device = resolve_device(config.device)
         runner = ModelRunner(checkpoint, config.cache, resolve_dtype(config.dtype, device), device, max_model_len,
                              config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                             enforce_eager=config.enforce_eager, quantization=config.quant)
+                             enforce_eager=config.enforce_eager, quantization=config.quant,
+                             speculative=config.speculative)
         tokenizer = Tokenizer.load(source, checkpoint.config.eos_token_ids)
         return cls(config, runner, tokenizer, max_model_len)
 
@@ -152,8 +153,8 @@ class Engine:
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
             return failed
         result = self.runner.execute(sched)
-        updated = self.scheduler.update(sched, result.sampled)
-        self.generation_tokens_total += sum(1 for r in updated if r.max_tokens > 0)  # max_tokens 0: no token
+        updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)
+        self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
         return failed + self.output_processor.process(updated, result.logprobs,
                                                       prompt_logprobs=result.prompt_logprobs)
 
@@ -171,4 +172,7 @@ class Engine:
             num_running_output_tokens=sum(_output_left(r) for r in running),
             num_waiting_certain_output_tokens=sum(_certain_output_left(r) for r in waiting),
             num_running_certain_output_tokens=sum(_certain_output_left(r) for r in running),
-            max_num_seqs=self.config.scheduler.max_num_seqs)
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            spec_decode_num_drafts=s.spec.num_drafts, spec_decode_num_draft_tokens=s.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(s.spec.accepted_per_pos))

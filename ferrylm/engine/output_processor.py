@@ -161,11 +161,19 @@ class OutputProcessor:
                 outputs.append(state.output("", []))
                 del self._states[req.request_id]
                 continue
-            token = req.token_ids[-1]
-            state.add_logprobs(logprobs.get(req.request_id), token)
-            text = self._detokenize(state, token)
+            new = req.token_ids[len(req.token_ids) - max(req.num_new_tokens, 1):]
+            text, emitted = "", []
+            for i, token in enumerate(new):  # several when a speculative draft was accepted
+                state.add_logprobs(logprobs.get(req.request_id), token)
+                emitted.append(token)
+                text += self._detokenize(state, token, last=i == len(new) - 1)
+                if len(emitted) < len(new) and req.is_finished and req.finish_reason is FinishReason.STOP \
+                        and isinstance(req.stop_reason, str):
+                    # a stop string ended it mid-draft: the tokens after it were never generated
+                    del req.token_ids[len(req.token_ids) - (len(new) - len(emitted)):]
+                    break
             _stamp(req.metrics, now, req.is_finished)
-            outputs.append(state.output(text, [token]))
+            outputs.append(state.output(text, emitted))
             if req.is_finished:
                 del self._states[req.request_id]
         return outputs
@@ -173,14 +181,21 @@ class OutputProcessor:
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.hf.decode([token_id], skip_special_tokens=False)
 
-    def _detokenize(self, state: _RequestState, token: int) -> str:
-        """The text `token` adds; a stop string it completes finishes the request (via the scheduler)."""
+    def _detokenize(self, state: _RequestState, token: int, last: bool = True) -> str:
+        """The text `token` adds; a stop string it completes finishes the request (via the scheduler).
+
+        `last`: the step's last new token. An earlier one (an accepted draft token) that completes a
+        stop string ends the request there even if the scheduler finished it at a later token (EOS,
+        length): that later token was never generated, so the stop string is the reason."""
         req = state.request
         delta = state.detokenizer.add_tokens([token])
         if delta.stop_reason is not None and not req.is_finished:
             self._finish_request(req.request_id, FinishReason.STOP, delta.stop_reason)
             return delta.text
-        if req.is_finished:
+        if delta.stop_reason is not None and not last:
+            req.finish_reason, req.stop_reason = FinishReason.STOP, delta.stop_reason  # already freed
+            return delta.text
+        if req.is_finished and last:
             return delta.text + state.detokenizer.flush()
         return delta.text
 

@@ -40,6 +40,8 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     grammar: Future[Any] | None = None  # structured output: compiling off the engine thread; admitted once done
+    spec_token_ids: list[int] = field(default_factory=list)  # the runner's draft for the next step
+    num_new_tokens: int = 0  # tokens the last step appended (more than one when a draft was accepted)
     metrics: RequestMetrics = field(init=False)  # timestamps, from arrival_time on
 
     def __post_init__(self) -> None:

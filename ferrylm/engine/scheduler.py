@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ferrylm.config import SchedulerConfig
@@ -33,6 +34,27 @@ class SchedulerStats(NamedTuple):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec: "SpecCounters"
+
+
+@dataclass
+class SpecCounters:
+    """Speculative decoding so far (vLLM's spec_decode metrics): verifying steps, draft tokens
+    scheduled, of those accepted, and accepted per draft position (index 0: the first draft token)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos += [0] * (drafted - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
 
 
 class Scheduler:
@@ -50,6 +72,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec = SpecCounters()
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -95,6 +118,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            draft = self._draft(req, budget) if n == 1 else []
+            n += len(draft)
             while not self._allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -103,10 +128,18 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself: everything after it is gone too
-            scheduled.append(self._scheduled(req, n))
+            scheduled.append(self._scheduled(req, n - len(draft), draft))
             budget -= n
             i += 1
         return budget, preempted
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """The runner's proposal for a decoding request, cut so that accepting all of it (plus the
+        target's own token) stays within the budget, max_tokens and the context window."""
+        if not req.spec_token_ids:
+            return []
+        room = min(budget, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        return req.spec_token_ids[:max(room, 0)]
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
                           budget: int) -> int:
@@ -153,11 +186,11 @@ class Scheduler:
     def _allocate(self, req: Request, n: int) -> bool:
         return self.block_manager.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, n)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(req.request_id, req.token_ids[start:start + n], start,
+        return ScheduledRequest(req.request_id, req.token_ids[start:start + n] + (draft or []), start,
                                 self.block_manager.block_table(req.request_id),
-                                start + n == req.num_tokens and req.max_tokens > 0)
+                                start + n == req.num_tokens and req.max_tokens > 0, tuple(draft or ()))
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop its KV, requeue it (its arrival time puts it in front)."""
@@ -165,34 +198,53 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue_waiting(req)
 
     # -- results -------------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int], accepted: dict[str, list[int]] | None = None,
+               drafts: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance progress, append sampled tokens, finish on EOS / stop ids / length.
 
-        Returns the requests that received a token this step, and those with max_tokens 0 whose
-        prompt finished (they end with no token, finish reason length).
+        `accepted`: per request, the draft tokens the target kept, emitted before its sampled token;
+        the slots of the rejected ones are given back. `drafts`: the runner's proposals for the next
+        step. Returns the requests that received tokens this step (`num_new_tokens` of them), and
+        those with max_tokens 0 whose prompt finished (they end with no token, finish reason length).
         """
+        accepted, drafts = accepted or {}, drafts or {}
         updated = []
         for item in output.scheduled:
             req = self.requests.get(item.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += len(item.token_ids)
             token = sampled.get(item.request_id)
+            kept = accepted.get(item.request_id, []) if item.draft_token_ids else []
+            req.num_computed_tokens += len(item.token_ids) - len(item.draft_token_ids) + len(kept)
+            req.spec_token_ids = drafts.get(item.request_id, [])
             if token is None:
                 if req.max_tokens == 0 and req.num_computed_tokens >= req.num_tokens:
                     self.finish_request(req.request_id, FinishReason.LENGTH)
                     updated.append(req)
                 continue
-            req.token_ids.append(token)
+            if item.draft_token_ids:
+                self.spec.record(len(item.draft_token_ids), len(kept))
+                req.metrics.spec_num_drafts += 1
+                req.metrics.spec_num_draft_tokens += len(item.draft_token_ids)
+                req.metrics.spec_num_accepted_tokens += len(kept)
             updated.append(req)
-            reason = self._check_stop(req, token)
-            if reason is not None:
-                self.finish_request(req.request_id, *reason)
+            req.num_new_tokens = 0
+            for t in [*kept, token]:  # nothing past a stop is emitted
+                req.token_ids.append(t)
+                req.num_new_tokens += 1
+                reason = self._check_stop(req, t)
+                if reason is not None:
+                    self.finish_request(req.request_id, *reason)
+                    break
+            else:
+                if item.draft_token_ids:
+                    self.block_manager.trim(req.request_id, req.num_computed_tokens)
         return updated
 
     def _check_stop(self, req: Request, token: int) -> tuple[FinishReason, int | None] | None:
@@ -228,7 +280,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.waiting), len(self.running), self.num_preemptions,
-                              self.prefix_cache_queries, self.prefix_cache_hits)
+                              self.prefix_cache_queries, self.prefix_cache_hits, self.spec)
 
     def check_invariants(self) -> None:
         """Queues disjoint and ordered; every running request holds blocks for its computed tokens."""

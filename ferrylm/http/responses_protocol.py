@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ferrylm.http.errors import invalid, parse_model
+from ferrylm.http.errors import APIError, invalid, parse_model
 from ferrylm.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -35,6 +35,10 @@ UNSUPPORTED: dict[str, tuple] = {"previous_response_id": (), "conversation": (),
                                  "include": ([],), "reasoning": ({},), "prompt": (), "truncation": ("disabled",),
                                  "max_tool_calls": (), "top_logprobs": (0,)}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# chat fields (as errors name them) → the Responses fields they came from
+RESPONSES_PARAMS = {"response_format": "text.format", "response_format.json_schema": "text.format",
+                    "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                    "messages": "input"}
 
 
 class TextFormat(BaseModel):
@@ -162,3 +166,19 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         "temperature": request.temperature, "top_p": request.top_p, "stream": request.stream, "seed": request.seed,
         "user": request.user, "tools": tools or None, "tool_choice": choice,
         "parallel_tool_calls": request.parallel_tool_calls, "response_format": _response_format(request)})
+
+
+def in_responses_terms(error: APIError) -> APIError:
+    """An error about the chat request a Responses request became, naming the Responses field."""
+    error.param = RESPONSES_PARAMS.get(error.param or "", error.param)
+    error.message = error.message.replace("'response_format'", "'text.format'").replace(
+        "'max_completion_tokens'", "'max_output_tokens'")
+    return error
+
+
+def as_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
+    """to_chat_request, its errors naming the Responses fields (what `ferrylm gateway` validates)."""
+    try:
+        return to_chat_request(request)
+    except APIError as e:
+        raise in_responses_terms(e) from None

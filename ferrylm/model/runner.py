@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.config import CacheConfig, ConfigError, ModelConfig, QuantConfig
+from ferrylm.config import CacheConfig, ConfigError, ModelConfig, QuantConfig, SpeculativeConfig
 from ferrylm.model import prompt_logprobs
 from ferrylm.model.attention import AttentionSpec, kv_quant, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
@@ -19,11 +19,22 @@ from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.prompt_logprobs import PromptLogprob
-from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
+from ferrylm.model.sampler import (
+    Sampler,
+    SamplingBatch,
+    SamplingRequestState,
+    make_generator,
+    processed_logits,
+    sampling_probs,
+)
+from ferrylm.model.speculative import DraftBackoff, NgramProposer, rejection_sample, verify_greedy
 from ferrylm.model.structured_output import apply_grammar_masks, new_matcher
 from ferrylm.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("ferrylm.runner")
+# Steps with more sampled sequences than this propose no drafts (--speculative-config
+# disable_by_batch_size overrides): past it, verifying costs more than it saves (bench/speculative.py).
+DEFAULT_SPEC_MAX_BATCH = 8
 
 
 class TokenLogprobs(NamedTuple):
@@ -36,6 +47,8 @@ class RunnerOutput(NamedTuple):
     sampled: dict[str, int]  # request id → next token
     logprobs: dict[str, TokenLogprobs]  # only for requests that asked for logprobs
     prompt_logprobs: dict[str, list[PromptLogprob]] = {}  # this step's scored prompt tokens (never mutated)
+    accepted: dict[str, list[int]] = {}  # draft tokens the target kept, emitted before `sampled` (never mutated)
+    draft_token_ids: dict[str, list[int]] = {}  # proposals for the next step (never mutated)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
@@ -60,7 +73,7 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, cache_config: CacheConfig, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto",
-                 quantization: QuantConfig | None = None):
+                 quantization: QuantConfig | None = None, speculative: SpeculativeConfig | None = None):
         self.config: ModelConfig = checkpoint.config
         self.device, self.dtype = device, dtype
         self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
@@ -89,6 +102,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, SamplingRequestState] = {}
         self.eos_token_ids = list(self.config.eos_token_ids)
+        self.set_speculative(speculative)
+
+    def set_speculative(self, speculative: SpeculativeConfig | None) -> None:
+        """Propose drafts from the next step on (None: stop). Requests under way keep their state."""
+        self.speculative = speculative
+        self.proposer = None if speculative is None else NgramProposer(
+            speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        limit = speculative.disable_by_batch_size if speculative is not None else None
+        self.spec_max_batch = DEFAULT_SPEC_MAX_BATCH if limit is None else limit
+        self.backoff: dict[str, DraftBackoff] = {}
 
     def _compile_decode(self, max_num_seqs: int, max_blocks: int) -> CompiledDecodeStep | None:
         """Compile (or load from the disk cache) the decode step of every batch-size bucket now, at
@@ -130,16 +153,20 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         for rid in output.finished_ids:
             self.states.pop(rid, None)
+            self.backoff.pop(rid, None)
         for new in output.new_requests:
+            self.backoff.pop(new.request_id, None)
             self.states[new.request_id] = SamplingRequestState(
                 new.sampling_params, new.prompt_token_ids,
                 grammar=new_matcher(new.grammar) if new.grammar is not None else None)
         if not output.scheduled:
             return RunnerOutput({}, {})
         rows = [i for i, s in enumerate(output.scheduled) if s.sample]
+        counts = [1 + len(output.scheduled[i].draft_token_ids) for i in rows]
         batch = ForwardBatch.build(
             [s.token_ids for s in output.scheduled], [s.num_computed_tokens for s in output.scheduled],
-            [s.block_ids for s in output.scheduled], self.block_size, rows, self.device)
+            [s.block_ids for s in output.scheduled], self.block_size, rows, self.device,
+            counts if sum(counts) > len(rows) else None)
         plans = prompt_logprobs.plan(output.scheduled, self.states)
         scored: dict[str, list[PromptLogprob]] = {}
         if plans:  # eager: the prompt rows' hidden states are needed, not only the sampled rows' logits
@@ -147,10 +174,73 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
             scored = prompt_logprobs.compute(self.model.compute_logits, hidden, plans)
         else:
-            logits = self._logits(batch, len(rows))
+            logits = self._logits(batch, len(batch.logits_indices))
         if not rows:
             return RunnerOutput({}, {}, scored)
-        return self._sample(logits, [output.scheduled[i].request_id for i in rows])._replace(prompt_logprobs=scored)
+        if len(counts) == sum(counts):
+            result = self._sample(logits, [output.scheduled[i].request_id for i in rows])
+        else:
+            result = self._sample_and_verify(logits, [output.scheduled[i] for i in rows], counts)
+        return result._replace(prompt_logprobs=scored, draft_token_ids=self._propose(result.sampled))
+
+    def _sample_and_verify(self, logits: torch.Tensor, items: list, counts: list[int]) -> RunnerOutput:
+        """Rows without a draft are sampled as usual; each drafted row keeps the longest draft
+        prefix the target agrees with (greedy) or accepts by rejection sampling (sampled), then
+        takes one token of the target's own (model/speculative.py)."""
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        plain = [i for i, c in enumerate(counts) if c == 1]
+        result = RunnerOutput({}, {})
+        if plain:
+            index = torch.tensor([starts[i] for i in plain], device=logits.device)
+            result = self._sample(logits.index_select(0, index), [items[i].request_id for i in plain])
+        drafted = [i for i, c in enumerate(counts) if c > 1]
+        virtual = []  # one sampling row per draft position: its prefix as if already generated
+        for i in drafted:
+            state, draft = self.states[items[i].request_id], items[i].draft_token_ids
+            virtual += [SamplingRequestState(state.params, state.prompt_token_ids,
+                                             state.output_token_ids + list(draft[:j])) for j in range(counts[i])]
+        index = torch.tensor([k for i in drafted for k in range(starts[i], starts[i + 1])], device=logits.device)
+        sampling = SamplingBatch.build(virtual, self.config.vocab_size, self.eos_token_ids, self.device)
+        processed = processed_logits(logits.index_select(0, index), sampling)
+        probs = None if sampling.all_greedy else sampling_probs(processed, sampling)
+        sampled, accepted = dict(result.sampled), {}
+        offset = 0
+        for i in drafted:
+            rid, draft, c = items[i].request_id, list(items[i].draft_token_ids), counts[i]
+            state = self.states[rid]
+            if state.params.greedy:
+                verified = verify_greedy(processed[offset:offset + c].unsqueeze(0), [draft])
+            else:
+                if state.params.seed is not None and state.generator is None:
+                    state.generator = make_generator(state.params.seed, self.device)
+                assert probs is not None
+                verified = rejection_sample(probs[offset:offset + c].unsqueeze(0),
+                                            torch.tensor([draft], device=self.device), None, state.generator)
+            offset += c
+            tokens = verified.tokens[0]
+            state.output_token_ids.extend(tokens)
+            sampled[rid], accepted[rid] = tokens[-1], tokens[:-1]
+            self.backoff.setdefault(rid, DraftBackoff()).record(len(draft), verified.num_accepted[0])
+        return RunnerOutput(sampled, result.logprobs, accepted=accepted)
+
+    def _propose(self, sampled: dict[str, int]) -> dict[str, list[int]]:
+        """Drafts for the next step, for requests that can be verified exactly here: no grammar
+        (its matcher cannot roll back yet) and no logprobs; none when the batch is large."""
+        if self.proposer is None or len(sampled) > self.spec_max_batch:
+            return {}
+        drafts = {}
+        for rid in sampled:
+            state = self.states[rid]
+            if state.grammar is not None or state.params.logprobs is not None:
+                continue
+            if not self.backoff.setdefault(rid, DraftBackoff()).allows():
+                continue
+            draft = self.proposer.propose(state.prompt_token_ids + state.output_token_ids)
+            if draft:
+                drafts[rid] = draft
+        return drafts
 
     def _logits(self, batch: ForwardBatch, num_sampled: int) -> torch.Tensor:
         """float32 logits of the rows in batch.logits_indices (a compiled step computes every row's

@@ -311,7 +311,7 @@ class Sampler:
         if batch.plain_greedy:
             token_ids = logits.argmax(dim=-1)  # float->float32 is monotonic: same ids as float32
         else:
-            processed = apply_penalties_and_bias(logits, batch) if batch.needs_processing else logits.float()
+            processed = processed_logits(logits, batch)
             token_ids = _select_tokens(processed, batch)
         if batch.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
@@ -338,8 +338,24 @@ def _select_tokens(processed: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     return torch.where(batch.greedy, processed.argmax(dim=-1), sampled)
 
 
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 logits after logit_bias, the min_tokens mask and penalties (greedy takes their argmax)."""
+    return apply_penalties_and_bias(logits, batch) if batch.needs_processing else logits.float()
+
+
+def sampling_probs(processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution a sampled row draws from (temperature, top_k/top_p/min_p applied): what
+    speculative verification compares drafts against."""
+    return _truncated(processed, batch).softmax(dim=-1)
+
+
 def _sample(processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, truncation (top_k/top_p/min_p) and an exponential race, all batched."""
+    return _exponential_race(_truncated(processed, batch), batch)
+
+
+def _truncated(processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Scaled logits with truncated tokens at -inf (a new tensor)."""
     # Subtracting the row max first keeps every scaled logit <= 0: no overflow even for tiny
     # temperatures, and the best token always has weight exp(0) = 1.
     x = processed - processed.amax(dim=-1, keepdim=True)
@@ -352,7 +368,7 @@ def _sample(processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.min_p is not None:
         # p_i / p_max = exp(x_i - 0) after the shift, so min_p is a threshold on x (log(0) = -inf).
         x.masked_fill_(x < batch.min_p.log()[:, None], _NEG_INF)
-    return _exponential_race(x, batch)
+    return x
 
 
 def _top_k_only_(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
@@ -413,4 +429,6 @@ __all__ = [
     "SamplingRequestState",
     "apply_penalties_and_bias",
     "make_generator",
+    "processed_logits",
+    "sampling_probs",
 ]

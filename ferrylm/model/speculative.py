@@ -12,11 +12,13 @@ next K tokens, and the verification that keeps the output exactly what the targe
   (penalties, logit_bias, temperature, top-k/p, min-p already applied to both). A proposer without
   a distribution (n-gram) is a one-hot q.
 
-Not wired into the engine yet (issue M2.5: scheduling the proposed tokens, KV rollback, control).
+The runner proposes after each step (runner.py), the scheduler schedules the draft within the
+token budget and gives back the slots of rejected tokens (scheduler.py, block_manager.trim).
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple
 
 import torch
@@ -35,16 +37,51 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int]) -> list[int]:
         """Up to k tokens (empty when no n-gram of the tail occurs earlier). Longest n first, then the
-        latest occurrence: the nearest context is the best guess of what repeats."""
+        latest occurrence: the nearest context is the best guess of what repeats. The search is a
+        bytes.rfind over the ids packed 4 bytes each (C speed: called per request per step)."""
         total = len(token_ids)
+        if total < 2:
+            return []
+        data = array("I", token_ids).tobytes()
+        end = (total - 1) * 4  # an occurrence must end before the tail does
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            tail = token_ids[total - n:]
-            for start in range(total - n - 1, -1, -1):  # an occurrence that ends before the tail does
-                if token_ids[start:start + n] == tail:
-                    follow = token_ids[start + n:start + n + self.k]
-                    if follow:
-                        return follow
+            tail = data[(total - n) * 4:]
+            limit = end
+            while True:
+                at = data.rfind(tail, 0, limit)
+                if at < 0:
+                    break
+                if at % 4 == 0:
+                    start = at // 4
+                    return token_ids[start + n:start + n + self.k]
+                limit = at + len(tail) - 1  # misaligned: look further left
         return []
+
+
+class DraftBackoff:
+    """Per request: stop proposing for a while when most drafts are rejected (open-ended text),
+    so verification's extra tokens are not paid for nothing; probe again after the pause."""
+
+    WINDOW = 16  # draft tokens judged at once
+    MIN_RATE = 0.25  # acceptance below this pauses proposals
+    PAUSE = 16  # steps without proposals
+
+    def __init__(self) -> None:
+        self.drafted = self.accepted = self.paused = 0
+
+    def allows(self) -> bool:
+        if self.paused:
+            self.paused -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.drafted >= self.WINDOW:
+            if self.accepted < self.MIN_RATE * self.drafted:
+                self.paused = self.PAUSE
+            self.drafted = self.accepted = 0
 
 
 class Verified(NamedTuple):

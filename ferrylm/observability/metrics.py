@@ -51,7 +51,13 @@ class EngineStatsCollector(Collector):
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      s and s.prefix_cache_queries),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s and s.prefix_cache_hits),
-                    ("num_preemptions", "Requests preempted to free KV blocks.", s and s.num_preemptions)]
+                    ("num_preemptions", "Requests preempted to free KV blocks.", s and s.num_preemptions),
+                    ("spec_decode_num_drafts", "Speculative steps that verified a draft.",
+                     s and s.spec_decode_num_drafts),
+                    ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                     s and s.spec_decode_num_draft_tokens),
+                    ("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+                     s and s.spec_decode_num_accepted_tokens)]
         families: list[Metric] = []
         for name, doc, value in gauges:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -61,6 +67,12 @@ class EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(value or 0))
             families.append(family)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position (0: the first).",
+                                      labels=["model_name", "position"])
+        for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos if s else ()):
+            per_pos.add_metric([self._model_name, str(pos)], float(value))
+        families.append(per_pos)
         return families
 
 

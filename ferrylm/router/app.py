@@ -22,7 +22,16 @@ from ferrylm.http.drain import DrainController
 from ferrylm.http.error_handlers import install_error_handlers
 from ferrylm.http.errors import APIError, parse_model
 from ferrylm.http.middleware import RequestIdMiddleware, new_request_id
-from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from ferrylm.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    VersionResponse,
+)
+from ferrylm.http.responses_protocol import ResponsesRequest, as_chat_request
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import Usage
 from ferrylm.router import prompt_info
@@ -35,6 +44,8 @@ from ferrylm.router.poller import HealthPoller
 from ferrylm.router.registry import ModelGroup, ReplicaRegistry
 from ferrylm.router.relay import StreamRelay
 from ferrylm.router.request_body import read_request_body
+from ferrylm.router.sse import usage_counts
+from ferrylm.version import package_version
 
 log = logging.getLogger("ferrylm.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -116,10 +127,12 @@ def _upstream_headers(request: Request, request_id: str, api_key: str | None) ->
     return headers
 
 
-def _upstream_body(body: dict, req: ChatCompletionRequest | CompletionRequest, priority: int | None) -> dict:
-    """The client's body as sent; streams always ask for usage (the relay drops it if unasked)."""
+def _upstream_body(body: dict, req: ChatCompletionRequest | CompletionRequest, priority: int | None,
+                   responses: bool) -> dict:
+    """The client's body as sent; chat and completion streams always ask for usage (the relay
+    drops it if unasked; a Responses stream always ends with it)."""
     out = dict(body)
-    if req.stream:
+    if req.stream and not responses:
         out["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     if priority is not None:
         out["priority"] = priority
@@ -166,7 +179,14 @@ class _Settlement:
                                              completion, time.monotonic() - self._started)
 
 
-RequestModel = type[ChatCompletionRequest] | type[CompletionRequest]
+RequestModel = type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest]
+
+
+def _parse_request(model_cls: RequestModel, body: dict) -> ChatCompletionRequest | CompletionRequest:
+    """The request as the replica will run it: a Responses request counts, routes and is
+    validated as the chat request it becomes there (its errors name the Responses fields)."""
+    req = parse_model(model_cls, body)
+    return as_chat_request(req) if isinstance(req, ResponsesRequest) else req
 
 
 async def _proxy(request: Request, model_cls: RequestModel, path: str, prefix: str) -> Response:
@@ -191,7 +211,8 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
         # One request off requests/min before the body is read or tokenized (as `ferrylm serve`).
         charge = await gateway.charge_request(principal, client)
     body = await read_request_body(request, state.config.max_body_bytes)
-    req: ChatCompletionRequest | CompletionRequest = parse_model(model_cls, body)
+    req = _parse_request(model_cls, body)
+    responses = model_cls is ResponsesRequest
     group = state.registry.resolve(req.model)
     if group is None:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
@@ -210,12 +231,13 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
     status: int | None = 500
     try:
         d = await cancel_on_disconnect(request, waiting.guard(dispatcher.dispatch(
-            group, path, _upstream_body(body, req, priority), headers, ctx, bool(req.stream))))
+            group, path, _upstream_body(body, req, priority, responses), headers, ctx, bool(req.stream))))
         extra = admission.response_headers if admission is not None else {}
         if state.config.router.expose_upstream:
             extra["X-FerryLM-Upstream"] = d.replica.url
         if req.stream and d.response.status_code == 200:
-            relay = StreamRelay(d, bool(req.stream_options and req.stream_options.include_usage), settle,
+            wants_usage = responses or bool(req.stream_options and req.stream_options.include_usage)
+            relay = StreamRelay(d, wants_usage, settle,
                                 state.metrics, dispatcher.record_failure, state.drain.discard)
             state.drain.add(relay)
             status = None  # the relay settles
@@ -247,7 +269,7 @@ async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Resp
             extra[name] = d.response.headers[name]
     try:
         body = d.response.json() if status == 200 else None
-        usage = body.get("usage") or {} if isinstance(body, dict) else {}
+        usage = usage_counts(body.get("usage") or {}) if isinstance(body, dict) else {}
     except ValueError:
         pass
     finally:
@@ -267,13 +289,72 @@ async def completions(request: Request) -> Response:
     return await _proxy(request, CompletionRequest, "/v1/completions", "cmpl")
 
 
+async def create_response(request: Request) -> Response:
+    """POST /v1/responses (stateless), proxied like chat: the replica answers in the Responses shape."""
+    return await _proxy(request, ResponsesRequest, "/v1/responses", "resp")
+
+
+async def _utility(request: Request, model_cls: type[TokenizeRequest] | type[DetokenizeRequest],
+                   path: str) -> Response:
+    """/tokenize and /detokenize: authenticated as the /v1 routes, answered by a replica of the
+    model's group (the replica's own tokenizer and context length). Nothing is generated, so no
+    token limits, quota or load admission apply; a request still counts against requests/min."""
+    state = _state(request)
+    state.drain.check_admitting()
+    dispatcher = state.dispatcher
+    assert dispatcher is not None
+    if state.gateway is not None:
+        principal = await state.gateway.authenticate(request.headers)
+        await state.gateway.charge_request(principal, request.client.host if request.client else None)
+    body = await read_request_body(request, state.config.max_body_bytes)
+    req = parse_model(model_cls, body)
+    group = state.registry.resolve(req.model)
+    if group is None:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+    request_id = request.state.request_id or new_request_id("tok")
+    headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
+    d = await dispatcher.dispatch(group, path, body, headers, RouteContext(0, 0), stream=False)
+    try:
+        return Response(d.response.content, status_code=d.response.status_code, media_type="application/json")
+    finally:
+        await d.aclose()
+
+
+async def tokenize(request: Request) -> Response:
+    return await _utility(request, TokenizeRequest, "/tokenize")
+
+
+async def detokenize(request: Request) -> Response:
+    return await _utility(request, DetokenizeRequest, "/detokenize")
+
+
+def _model_cards(state: GatewayState) -> dict[str, ModelCard]:
+    registry = state.registry
+    return {name: ModelCard(id=name, root=group, max_model_len=registry.groups[group].upstream_max_model_len())
+            for name, group in registry.model_names()}
+
+
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     if state.gateway is not None:
         await state.gateway.authenticate(request.headers)
-    registry = state.registry
-    return ModelList(data=[ModelCard(id=name, root=group, max_model_len=registry.groups[group].upstream_max_model_len())
-                           for name, group in registry.model_names()])
+    return ModelList(data=list(_model_cards(state).values()))
+
+
+async def retrieve_model(request: Request, model_id: str) -> ModelCard:
+    """GET /v1/models/{id}: a group or alias the gateway routes, 404 model_not_found otherwise."""
+    state = _state(request)
+    if state.gateway is not None:
+        await state.gateway.authenticate(request.headers)
+    card = _model_cards(state).get(model_id)
+    if card is None:
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
+    return card
+
+
+async def version() -> VersionResponse:
+    """GET /version: this gateway's package version (as `ferrylm serve` answers it)."""
+    return VersionResponse(version=package_version())
 
 
 async def health(request: Request) -> JSONResponse:
@@ -308,7 +389,12 @@ def build_gateway_app(config: GatewayServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/responses", create_response, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
+    app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard)
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])

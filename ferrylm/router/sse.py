@@ -10,6 +10,18 @@ from typing import NamedTuple
 import httpx
 
 DONE = b"data: [DONE]\n\n"
+# Responses API stream events (`type`): those carrying generated text, and those that end it
+# (with the whole response, usage included)
+RESPONSES_TOKEN_EVENTS = ("response.output_text.delta", "response.function_call_arguments.delta")
+RESPONSES_FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def usage_counts(usage: dict) -> dict:
+    """prompt_tokens / completion_tokens of a usage object, from the Responses API's
+    input_tokens / output_tokens where that is what it has."""
+    if "prompt_tokens" in usage or "input_tokens" not in usage:
+        return usage
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens", 0)}
 
 
 class Event(NamedTuple):
@@ -22,6 +34,8 @@ class Event(NamedTuple):
         """Choices in this chunk that carry generated text (≈ tokens, one per choice per step)."""
         if not self.data:
             return 0
+        if self.data.get("type") in RESPONSES_TOKEN_EVENTS:
+            return 1 if self.data.get("delta") else 0
         n = 0
         for choice in self.data.get("choices") or ():
             delta = choice.get("delta") or {}
@@ -31,9 +45,14 @@ class Event(NamedTuple):
 
     @property
     def usage(self) -> dict | None:
-        """The final usage chunk (`choices: []` with usage), as include_usage sends it."""
-        if self.data and not self.data.get("choices") and isinstance(self.data.get("usage"), dict):
-            return self.data["usage"]
+        """The final usage chunk (`choices: []` with usage), as include_usage sends it, or the
+        usage in a Responses stream's final event (as prompt_tokens / completion_tokens)."""
+        data = self.data
+        if data and data.get("type") in RESPONSES_FINAL_EVENTS:
+            usage = (data.get("response") or {}).get("usage")
+            return usage_counts(usage) if isinstance(usage, dict) else None
+        if data and not data.get("choices") and isinstance(data.get("usage"), dict):
+            return data["usage"]
         return None
 
     @property
@@ -42,8 +61,9 @@ class Event(NamedTuple):
 
     @property
     def finished(self) -> bool:
-        data = self.data
-        return bool(data) and any(c.get("finish_reason") for c in (data or {}).get("choices") or ())
+        data = self.data or {}
+        return data.get("type") in RESPONSES_FINAL_EVENTS or any(c.get("finish_reason")
+                                                                 for c in data.get("choices") or ())
 
 
 def _parse(lines: list[str]) -> Event:

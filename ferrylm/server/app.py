@@ -11,8 +11,6 @@ import logging
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _dist_version
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -42,7 +40,7 @@ from ferrylm.http.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from ferrylm.http.responses_protocol import ResponsesRequest, to_chat_request
+from ferrylm.http.responses_protocol import ResponsesRequest, as_chat_request, in_responses_terms
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.server import gatekeeping, inputs, prompts, responses, serving, structured, tokenize
@@ -54,16 +52,10 @@ from ferrylm.server.prompts import check_num_sequences
 from ferrylm.server.serving import ResponseContext
 from ferrylm.server.state import ServerState
 from ferrylm.server.tools import ToolPlan
+from ferrylm.version import package_version
 
 log = logging.getLogger("ferrylm.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def package_version() -> str:
-    try:
-        return _dist_version("ferrylm")
-    except PackageNotFoundError:  # run from a source tree without an install
-        return "0.0.0+unknown"
 
 
 def _state(request: Request) -> ServerState:
@@ -186,17 +178,14 @@ async def create_response(request: Request) -> Response:
     await gatekeeping.authenticate(request, state)
     engine = state.admit()
     body = parse_model(ResponsesRequest, await read_json_body(request, state.config.max_body_bytes))
-    req = to_chat_request(body)
+    req = as_chat_request(body)
     ctx_id = _request_id(request, "resp")
     model = state.resolve_model(req.model)
     core = engine.model_info
     try:
         params, tool_plan, prompt = await _chat_inputs(engine, req, "input")
     except APIError as e:  # name the Responses field, not the chat one it became
-        e.param = responses.RESPONSES_PARAMS.get(e.param or "", e.param)
-        e.message = e.message.replace("'response_format'", "'text.format'").replace("'max_completion_tokens'",
-                                                                                  "'max_output_tokens'")
-        raise
+        raise in_responses_terms(e) from None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan)
     echo = responses.echo_fields(body)
     return await _serve(request, state, engine, ctx, [prompt], params, req, responses.responses_streamer(echo),

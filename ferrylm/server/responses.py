@@ -24,11 +24,6 @@ from ferrylm.server.fanout import Fanout
 from ferrylm.server.serving import ResponseContext, guarded, log_finished, usage
 from ferrylm.server.tools import ToolStream
 
-# the chat request's field names an error may carry → the Responses request's own
-RESPONSES_PARAMS = {"response_format": "text.format", "response_format.json_schema": "text.format",
-                    "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                    "messages": "input"}
-
 
 class ResponseObject(BaseModel):
     """The `response` object as built here (a dict's worth of OpenAI's fields)."""

@@ -63,8 +63,9 @@ class ServerProcess:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url("/v1"), api_key=self.api_key or "unused", max_retries=0, timeout=120)
+    def client(self, api_key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=api_key or self.api_key or "unused", max_retries=0,
+                             timeout=120)
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key=self.api_key or "unused", max_retries=0,

@@ -278,6 +278,68 @@ def test_standalone_gateway_auth_limits_and_audit(replicas, tmp_path):
         stop(gw)
 
 
+def test_gateway_routes_responses_tokenizer_and_model_endpoints(replicas, tmp_path):
+    """/v1/responses (streamed and not, usage billed from the Responses shape), /tokenize,
+    /detokenize, /v1/models/{id} and /version through an authenticating gateway."""
+    db = f"sqlite:///{tmp_path}/state.db"
+
+    def cli(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "ferrylm.cli", *args, "--state-db", db], check=True,
+                             capture_output=True, text=True)
+        return out.stdout.strip().splitlines()[-1]
+
+    cli("tenants", "create", "acme", "--tpm", "100000", "--models", MODEL)
+    key = cli("keys", "create", "--tenant", "acme")
+    auth = {"Authorization": f"Bearer {key}"}
+    gw = start_gateway("--upstream", replicas[0].base_url, "--require-auth", "--state-db", db)
+    try:
+        client = gw.client(api_key=key)
+        direct = replicas[0].client().responses.create(model=MODEL, input="Name two rivers.", max_output_tokens=12,
+                                                       temperature=0)
+        via = client.responses.with_raw_response.create(model=MODEL, input="Name two rivers.", max_output_tokens=12,
+                                                        temperature=0)
+        body = via.parse()
+        assert body.output_text == direct.output_text and body.usage.output_tokens == direct.usage.output_tokens
+        events = list(client.responses.create(model=MODEL, input="Name two rivers.", max_output_tokens=12,
+                                              temperature=0, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == direct.output_text
+        final = events[-1]
+        assert final.type in ("response.completed", "response.incomplete")
+        assert final.response.usage.output_tokens == direct.usage.output_tokens
+        with sqlite3.connect(f"{tmp_path}/state.db") as conn:
+            rows = conn.execute("SELECT request_id, status, prompt_tokens, completion_tokens FROM audit_log").fetchall()
+        billed = {r[0]: r[1:] for r in rows}
+        assert billed[via.headers["x-request-id"]] == (200, direct.usage.input_tokens, direct.usage.output_tokens)
+        assert sorted(billed.values()).count((200, direct.usage.input_tokens, direct.usage.output_tokens)) == 2, rows
+        # Responses fields are validated at the gateway with their own names.
+        r = httpx.post(gw.url("/v1/responses"), json={"model": MODEL, "input": "x", "previous_response_id": "r1"},
+                       headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+        r = httpx.post(gw.url("/v1/responses"), json={"model": MODEL, "input": "x", "max_output_tokens": 100000},
+                       headers=auth, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens", r.text
+        # Tokenizer endpoints: the replica's answer, behind the gateway's auth.
+        tok = {"model": MODEL, "prompt": "Hello there", "return_token_strs": True}
+        assert httpx.post(gw.url("/tokenize"), json=tok).status_code == 401
+        via_tok = httpx.post(gw.url("/tokenize"), json=tok, headers=auth)
+        assert via_tok.status_code == 200
+        assert via_tok.json() == httpx.post(replicas[0].url("/tokenize"), json=tok).json()
+        detok = httpx.post(gw.url("/detokenize"), json={"model": MODEL, "tokens": via_tok.json()["tokens"]},
+                           headers=auth)
+        assert detok.status_code == 200 and detok.json()["prompt"] == "Hello there"
+        r = httpx.post(gw.url("/tokenize"), json={"model": "nope", "prompt": "x"}, headers=auth)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = httpx.post(gw.url("/detokenize"), json={"model": MODEL, "tokens": [-1]}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"], r.text
+        assert client.models.retrieve(MODEL).id == MODEL
+        r = httpx.get(gw.url("/v1/models/nope"), headers=auth)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        version = httpx.get(gw.url("/version")).json()["version"]
+        assert version and version == httpx.get(replicas[0].url("/version")).json()["version"]
+    finally:
+        stop(gw)
+
+
 def test_sigterm_drains_proxied_streams_then_exits_zero(replicas):
     import signal
     import threading

@@ -137,3 +137,92 @@ def test_random_add_step_abort_sequences(ops, num_blocks, prefix):
         step(s, token=9)
     assert not s.has_unfinished
     assert s.block_manager.num_free_blocks == num_blocks
+
+
+def _speculative_step(s: Scheduler, rng: random.Random) -> None:
+    """A fake runner that drafts: each sampled row keeps a random prefix of its draft plus one
+    token, and proposes up to 4 tokens for the next step."""
+    out = s.schedule()
+    sampled, accepted, drafts = {}, {}, {}
+    for item in out.scheduled:
+        assert len(item.token_ids) >= 1 + len(item.draft_token_ids)
+        if not item.sample:
+            continue
+        assert list(item.token_ids[len(item.token_ids) - len(item.draft_token_ids):]) == list(item.draft_token_ids)
+        accepted[item.request_id] = list(item.draft_token_ids[:rng.randint(0, len(item.draft_token_ids))])
+        sampled[item.request_id] = rng.randrange(2, 20)
+        drafts[item.request_id] = [rng.randrange(2, 20) for _ in range(rng.randint(0, 4))]
+    s.update(out, sampled, accepted, drafts)
+    for item in out.scheduled:
+        r = s.requests.get(item.request_id)
+        if r is not None and item.draft_token_ids:
+            # KV slots of rejected draft tokens went back: the table covers only computed tokens
+            have = len(s.block_manager.block_table(r.request_id))
+            assert have == s.block_manager.blocks_needed(r.num_computed_tokens), (have, r.num_computed_tokens)
+            assert r.num_tokens == r.num_computed_tokens + 1
+        if r is not None:
+            assert r.num_output_tokens <= r.max_tokens and r.num_tokens <= s.max_model_len
+
+
+@settings(max_examples=examples(120), deadline=None)
+@given(actions, st.integers(8, 40), st.booleans(), st.integers(0, 2**16))
+def test_random_add_step_abort_with_speculative_drafts(ops, num_blocks, prefix, seed):
+    """Drafts scheduled in the budget, accepted in part, their slots trimmed: the block accounting
+    holds after every step, nothing passes max_tokens, and everything drains with no block lost."""
+    s = make(num_blocks=num_blocks, budget=12, max_seqs=4, prefix=prefix, max_len=40)
+    rng = random.Random(seed)
+    ids = 0
+    for action, pick, n_prompt, max_tokens, priority in ops:
+        if action == "add":
+            try:
+                s.add_request(req(f"r{ids}", n_prompt, max_tokens, priority, float(ids), eos=(3,),
+                                  first=pick % 3))
+            except RequestRejected:
+                pass
+            ids += 1
+        elif action == "abort" and s.requests:
+            s.finish_request(sorted(s.requests)[pick % len(s.requests)], FinishReason.ABORT)
+        else:
+            _speculative_step(s, rng)
+        s.check_invariants()
+    for _ in range(2000):
+        if not s.has_unfinished:
+            break
+        _speculative_step(s, rng)
+        s.check_invariants()
+    assert not s.has_unfinished
+    assert s.block_manager.num_free_blocks == num_blocks
+    assert s.spec.num_accepted_tokens <= s.spec.num_draft_tokens
+
+
+def test_draft_scheduling_acceptance_trim_and_stops():
+    s = make(num_blocks=32, budget=16)
+    s.add_request(req("a", n_prompt=6, max_tokens=6, eos=(3,)))
+    out = s.schedule()
+    s.update(out, {"a": 7}, {}, {"a": [8, 9, 10, 11]})
+    out = s.schedule()
+    (item,) = out.scheduled
+    assert item.token_ids == [7, 8, 9, 10, 11] and item.draft_token_ids == (8, 9, 10, 11)
+    assert out.num_batched_tokens == 5
+    s.update(out, {"a": 12}, {"a": [8, 9]}, {"a": [13, 14, 15, 16]})
+    r = s.requests["a"]
+    assert r.output_token_ids == [7, 8, 9, 12] and r.num_new_tokens == 3
+    assert r.num_computed_tokens == 9 and len(s.block_manager.block_table("a")) == 3  # 12 slots → 9 kept
+    assert s.spec.num_drafts == 1 and s.spec.accepted_per_pos == [1, 1, 0, 0]
+    out = s.schedule()  # 2 output tokens left: a draft of 1 (+ the target's own token)
+    assert out.scheduled[0].draft_token_ids == (13,)
+    a = s.requests["a"]
+    s.update(out, {"a": 20}, {"a": [13]}, {"a": [3, 5]})
+    assert "a" not in s.requests and a.output_token_ids == [7, 8, 9, 12, 13, 20]  # max_tokens exactly
+    assert a.finish_reason == FinishReason.LENGTH
+    s.check_invariants()
+    assert s.block_manager.num_free_blocks == 32
+
+    s.add_request(req("b", n_prompt=6, max_tokens=20, eos=(3,)))
+    out = s.schedule()
+    s.update(out, {"b": 7}, {}, {"b": [3, 5, 6]})
+    out = s.schedule()
+    holder = s.requests["b"]
+    s.update(out, {"b": 9}, {"b": [3, 5]})  # EOS accepted mid-draft: nothing after it
+    assert holder.output_token_ids == [7, 3] and holder.finish_reason == FinishReason.STOP
+    assert s.block_manager.num_free_blocks == 32

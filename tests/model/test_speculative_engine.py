@@ -1,0 +1,169 @@
+"""Speculative decoding in the engine (n-gram drafts scheduled in the token budget, verified in one
+forward): greedy output is token for token that of plain decoding on SmolLM2 with chunked prefill,
+a prefix hit, preemption, stop strings, max_tokens and aborts, with the block accounting checked after
+every step; sampled output keeps the target's distribution (a tiny random model, chi-square)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from ferrylm import SamplingParams
+from ferrylm.config import CacheConfig, SpeculativeConfig
+from tests.conftest import chat_prompt_ids, engine_like, requires_smollm2, run_to_completion
+from tests.model.prompts import SIXTEEN_PROMPTS
+
+NGRAM = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=4, disable_by_batch_size=64)
+GROUNDED = [  # the answer repeats text of the prompt: what prompt lookup is for
+    "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape, honeydew.",
+    "Copy this code without changes:\ndef add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n",
+    "Count from 1 to 30, separated by commas.",
+    "Rewrite this table as CSV:\n| name | age |\n| Ann | 31 |\n| Bob | 42 |\n| Cy | 27 |",
+]
+
+
+@contextlib.contextmanager
+def speculating(llm, config: SpeculativeConfig = NGRAM):
+    """The shared runner proposes drafts inside the block (the runner is shared by the model tests)."""
+    runner = llm.engine.runner
+    runner.set_speculative(config)
+    try:
+        yield
+    finally:
+        runner.set_speculative(None)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm_fp32):
+    return chat_prompt_ids(llm_fp32, GROUNDED + SIXTEEN_PROMPTS[:6])
+
+
+def _run(llm, prompts, params, check=True, **overrides):
+    engine = engine_like(llm, **overrides)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params[i] if isinstance(params, list) else params)
+    done = run_to_completion(engine, check=check)
+    return [done[str(i)] for i in range(len(prompts))], engine
+
+
+@requires_smollm2
+def test_greedy_with_ngram_drafts_equals_plain_decoding(llm_fp32, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    # A long shared prefix: the second request of the pair is admitted on a prefix hit.
+    shared = prompts[1] * 3
+    batch = prompts + [shared + [28], shared + [29]]
+    plain, _ = _run(llm_fp32, batch, params, max_num_batched_tokens=64)
+    with speculating(llm_fp32):
+        spec, engine = _run(llm_fp32, batch, params, max_num_batched_tokens=64)
+    assert spec == plain
+    stats = engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 100, stats  # drafts were really taken
+    assert stats.prefix_cache_hits > 0
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@requires_smollm2
+def test_speculation_under_preemption_keeps_greedy_output(llm_fp32, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain, _ = _run(llm_fp32, prompts, params)
+    with speculating(llm_fp32):
+        spec, engine = _run(llm_fp32, prompts, params, num_blocks=24, max_num_batched_tokens=128)
+    assert engine.scheduler.num_preemptions > 0
+    assert spec == plain
+
+
+@requires_smollm2
+def test_stop_strings_max_tokens_eos_and_abort_with_drafts(llm_fp32, prompts):
+    """Nothing past a stop string, a stop token, EOS or max_tokens is emitted, even when a draft
+    accepted in one step runs past it; an abort frees every block."""
+    variants = [SamplingParams(temperature=0.0, max_tokens=7), SamplingParams(temperature=0.0, max_tokens=40),
+                SamplingParams(temperature=0.0, max_tokens=40, stop=["date", "cherry,"]),
+                SamplingParams(temperature=0.0, max_tokens=40, stop=[" * b"]),
+                SamplingParams(temperature=0.0, max_tokens=40, stop=["10,"], include_stop_str_in_output=True)]
+    batch = [prompts[0], prompts[0], prompts[0], prompts[1], prompts[2]]
+    params = variants
+
+    def texts(spec: bool):
+        with speculating(llm_fp32) if spec else contextlib.nullcontext():
+            engine = engine_like(llm_fp32)
+            outs = {}
+            for i, (ids, p) in enumerate(zip(batch, params)):
+                engine.add_request(str(i), ids, p)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        c = out.outputs[0]
+                        outs[out.request_id] = (c.text, c.token_ids, c.finish_reason, c.stop_reason)
+                engine.scheduler.check_invariants()
+            return [outs[str(i)] for i in range(len(batch))], engine
+
+    plain, _ = texts(False)
+    spec, engine = texts(True)
+    assert spec == plain
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
+    assert len(spec[0][1]) == 7
+
+    with speculating(llm_fp32):
+        engine = engine_like(llm_fp32)
+        for i, ids in enumerate(prompts[:4]):
+            engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+        for _ in range(12):
+            engine.step()
+        assert engine.stats().spec_decode_num_drafts > 0
+        for i in range(4):
+            engine.abort(str(i))
+        engine.step()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@requires_smollm2
+def test_seeded_sampling_with_drafts_is_reproducible(llm_fp32, prompts):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=32) for s in range(4)]
+    with speculating(llm_fp32):
+        first, engine = _run(llm_fp32, prompts[:4], params)
+        again, _ = _run(llm_fp32, prompts[:4], params)
+    assert first == again
+    assert engine.stats().spec_decode_num_drafts > 0
+
+
+def _tiny_engine(speculative: SpeculativeConfig | None):
+    """A 2-layer random model with peaked logits (std 0.5), so a few tokens carry the mass."""
+    from ferrylm.model.runner import ModelRunner
+    from tests.gpu.random_model import RandomCheckpoint, build_engine, model_config
+
+    config = model_config("tiny", max_positions=512)
+    runner = ModelRunner(RandomCheckpoint(config, seed=3, std=0.5), CacheConfig(block_size=16, num_blocks=4097),
+                         torch.float32, torch.device("cpu"), 512, max_num_seqs=512, enforce_eager=True,
+                         attention="torch", speculative=speculative)
+    return build_engine(runner, num_blocks=4096, max_model_len=512, max_num_seqs=512, max_num_batched_tokens=8192)
+
+
+def _second_tokens(engine, n: int) -> tuple[torch.Tensor, int]:
+    """The second generated token of `n` seeded requests (temperature 1, top_k 6), and the draft
+    steps taken. Every token occurs once in the prompt, so prompt lookup always drafts after the first."""
+    prompt = torch.randperm(320, generator=torch.Generator().manual_seed(0)).tolist()
+    for i in range(n):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, top_k=6, max_tokens=3, seed=i,
+                                                          ignore_eos=True))
+    done = run_to_completion(engine)
+    return torch.tensor([done[str(i)][1] for i in range(n)]), engine.stats().spec_decode_num_drafts
+
+
+def test_sampled_output_distribution_is_unchanged_by_speculation():
+    """2 x k chi-square homogeneity test on the second token (drafted, then verified by rejection
+    sampling in the speculative run): the same distribution with and without drafts."""
+    n = 3000
+    plain, _ = _second_tokens(_tiny_engine(None), n)
+    spec, drafts = _second_tokens(_tiny_engine(SpeculativeConfig("ngram", 2, disable_by_batch_size=4096)), n)
+    assert drafts >= n  # every request verified a draft
+    a, b = torch.bincount(plain, minlength=320).double(), torch.bincount(spec, minlength=320).double()
+    cells = (a + b) > 0
+    a, b = a[cells], b[cells]
+    pooled = (a + b) / (2 * n)
+    stat = ((a - pooled * n) ** 2 / (pooled * n) + (b - pooled * n) ** 2 / (pooled * n)).sum()
+    df = torch.tensor(float(cells.sum() - 1), dtype=torch.double)
+    assert df >= 3, "the test needs a spread-out distribution"
+    assert float(torch.special.gammaincc(df / 2, stat / 2)) > 1e-3
