@@ -145,6 +145,9 @@ class SpeculativeConfig:
                 raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ConfigError("--speculative-config must be a JSON object")
+        if value.get("method") in SPECULATIVE_PLANNED:  # before its own keys (draft_model's "model") are judged
+            raise ConfigError(f"--speculative-config method {value['method']!r} is not implemented in this "
+                              f"version; supported: {', '.join(SPECULATIVE_METHODS)}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
