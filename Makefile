@@ -31,8 +31,7 @@ lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, se
 test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider
 
-test-lm-eval: setup  # lm-evaluation-harness against `ferrylm serve` vs its hf backend (installs lm-eval into .venv)
-	$(PY) -m pip install --quiet 'lm-eval[api]==0.4.13'
+test-lm-eval: setup  # lm-evaluation-harness against `ferrylm serve` vs its hf backend (also part of `make test`)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_lm_eval.py
 
 fuzz: setup  # the long randomized campaign: every hypothesis/schemathesis test, 20x the examples

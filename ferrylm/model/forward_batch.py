@@ -50,13 +50,11 @@ class ForwardBatch:
         block_size: int,
         logits_rows: list[int] | None = None,
         device: torch.device | str = "cpu",
-        logits_counts: list[int] | None = None,
     ) -> "ForwardBatch":
         """Build from per-sequence new tokens, tokens already in the cache, and block tables.
 
         `logits_rows` lists the sequences that need next-token logits (default: all), each taking
-        the logits of its last new token, or of its last `logits_counts[i]` tokens (a speculative
-        draft is verified at every draft position).
+        the logits of its last new token.
         """
         query_lens = [len(t) for t in token_ids]
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
@@ -73,10 +71,7 @@ class ForwardBatch:
         for q in query_lens:
             starts.append(starts[-1] + q)
         rows = range(len(token_ids)) if logits_rows is None else logits_rows
-        if logits_counts is None:
-            logits_indices = [starts[b + 1] - 1 for b in rows]
-        else:
-            logits_indices = [i for b, c in zip(rows, logits_counts) for i in range(starts[b + 1] - c, starts[b + 1])]
+        logits_indices = [starts[b + 1] - 1 for b in rows]
 
         def as_tensor(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)

@@ -163,10 +163,7 @@ class ModelRunner:
             return RunnerOutput({}, {})
         rows = [i for i, s in enumerate(output.scheduled) if s.sample]
         counts = [1 + len(output.scheduled[i].draft_token_ids) for i in rows]
-        batch = ForwardBatch.build(
-            [s.token_ids for s in output.scheduled], [s.num_computed_tokens for s in output.scheduled],
-            [s.block_ids for s in output.scheduled], self.block_size, rows, self.device,
-            counts if sum(counts) > len(rows) else None)
+        batch = self._batch(output.scheduled)
         plans = prompt_logprobs.plan(output.scheduled, self.states)
         scored: dict[str, list[PromptLogprob]] = {}
         if plans:  # eager: the prompt rows' hidden states are needed, not only the sampled rows' logits
@@ -182,6 +179,30 @@ class ModelRunner:
         else:
             result = self._sample_and_verify(logits, [output.scheduled[i] for i in rows], counts)
         return result._replace(prompt_logprobs=scored, draft_token_ids=self._propose(result.sampled))
+
+    def _batch(self, scheduled: list) -> ForwardBatch:
+        """The step's ForwardBatch. A drafted sequence becomes one decode row per token (the last
+        committed one, then each draft token), row j attending to its context plus the j tokens
+        before it: each layer writes every row's K/V before attending, so this is exactly causal.
+        A decode batch with drafts thus stays decode-only: the decode kernel, the compiled step."""
+        if not any(s.draft_token_ids for s in scheduled):
+            rows = [i for i, s in enumerate(scheduled) if s.sample]
+            return ForwardBatch.build([s.token_ids for s in scheduled], [s.num_computed_tokens for s in scheduled],
+                                      [s.block_ids for s in scheduled], self.block_size, rows, self.device)
+        tokens, contexts, tables, rows = [], [], [], []
+        for s in scheduled:
+            if s.draft_token_ids:
+                rows += range(len(tokens), len(tokens) + len(s.token_ids))
+                tokens += [[t] for t in s.token_ids]
+                contexts += range(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids))
+                tables += [s.block_ids] * len(s.token_ids)
+            else:
+                if s.sample:
+                    rows.append(len(tokens))
+                tokens.append(s.token_ids)
+                contexts.append(s.num_computed_tokens)
+                tables.append(s.block_ids)
+        return ForwardBatch.build(tokens, contexts, tables, self.block_size, rows, self.device)
 
     def _sample_and_verify(self, logits: torch.Tensor, items: list, counts: list[int]) -> RunnerOutput:
         """Rows without a draft are sampled as usual; each drafted row keeps the longest draft

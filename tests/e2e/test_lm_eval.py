@@ -1,8 +1,8 @@
 """lm-evaluation-harness against `ferrylm serve`: a multiple_choice task (tests/data/lm_eval_tiny, no
 download) through `--model local-completions` (echo + logprobs + max_tokens 0 on /v1/completions)
 gives the per-item loglikelihoods of lm-eval's own `hf` backend on the same GGUF, within 1e-3
-(float32 server). Needs lm-eval, which `make test` does not install (its datasets / scikit-learn
-stack would cost CI minutes): `make test-lm-eval` installs it and runs this file."""
+(float32 server). lm-eval is in the test extra (`make test` installs it); `make test-lm-eval` runs
+this file alone."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ferrylm.model.model_source import resolve_model
 from tests.conftest import requires_smollm2
 
 pytestmark = [requires_smollm2, pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
-                                                   reason="lm-eval not installed: make test-lm-eval")]
+                                                   reason="lm-eval not installed: pip install -e '.[test]'")]
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "lm_eval_tiny" / "choices.jsonl"
 TASK = """task: ferry_tiny_mc

@@ -1,6 +1,7 @@
 """The compiled CPU decode step (model/compiled_step.py) on a tiny random Llama in bf16: the same
-greedy tokens as eager mode over batch sizes that hit both graphs, a restart that loads the
-compiled graphs from the disk cache instead of compiling, and enforce_eager turning it off."""
+greedy tokens as eager mode over batch sizes that hit both graphs (also with an fp8 KV cache), a
+restart that loads the compiled graphs from the disk cache instead of compiling, and enforce_eager
+turning it off."""
 
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ print(json.dumps({"loaded": report.loaded, "compiled": report.compiled, "seconds
 """
 
 
-def _runner(directory: Path, enforce_eager: bool) -> ModelRunner:
-    return ModelRunner(Checkpoint(resolve_model(str(directory))), CacheConfig(block_size=BLOCK, num_blocks=32),
-                       torch.bfloat16, torch.device("cpu"), MAX_LEN, max_num_seqs=MAX_SEQS, enforce_eager=enforce_eager)
+def _runner(directory: Path, enforce_eager: bool, cache_dtype: str = "auto",
+            max_num_seqs: int = MAX_SEQS) -> ModelRunner:
+    return ModelRunner(Checkpoint(resolve_model(str(directory))),
+                       CacheConfig(block_size=BLOCK, num_blocks=32, cache_dtype=cache_dtype), torch.bfloat16,
+                       torch.device("cpu"), MAX_LEN, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,19 @@ def test_compiled_tokens_equal_eager(runners, monkeypatch):
     # 3, 2 of 2 and 3 of 1 as the four requests finish; 5 of 2. Sizes 1 (its own graph) and 2..4.
     assert len(calls) == 11 + 13 + 5
     assert set(calls) == {1, 2, 3, 4}
+
+
+def test_compiled_fp8_kv_step_equals_eager(tiny, tmp_path, monkeypatch):
+    """With --kv-cache-dtype fp8 the C++ quantizing KV write is traced into the graph; one sequence
+    (one graph to compile), the same tokens as eager fp8."""
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    compiled = _runner(tiny, enforce_eager=False, cache_dtype="fp8", max_num_seqs=1)
+    assert compiled.compiled is not None, "the decode step did not compile with an fp8 KV cache"
+    eager = _runner(tiny, enforce_eager=True, cache_dtype="fp8", max_num_seqs=1)
+    gen = torch.Generator().manual_seed(1)
+    for i, n in enumerate((7, 21)):
+        prompt = torch.randint(3, 320, (n,), generator=gen).tolist()
+        assert _greedy(compiled, [prompt], [12], f"c8-{i}") == _greedy(eager, [prompt], [12], f"e8-{i}")
 
 
 def test_restart_loads_the_compile_cache(runners, tiny, cache_dir):

@@ -1,10 +1,8 @@
 """Greedy generation through LLM(...) on SmolLM2 with --kv-cache-dtype fp8 and int8: end to end
-(prefill chunks, the C++ quantizing write and decode kernel, the compiled decode step for fp8),
+(prefill chunks, the C++ quantizing write and decode kernel),
 the pool a fixed kv_cache_memory buys, and tokens close to the bf16 cache's.
 
 What is asserted:
-- the compiled fp8 step gives exactly the eager fp8 tokens at the same batch size (compiled_step.py's
-  promise, here with the C++ quantizing write op traced into the graph);
 - closeness to the bf16 cache: wherever a quantized run's greedy tokens first part from the bf16
   run's, the two runs had the same context so far, and the quantized run's token is among the bf16
   run's top-5 within NEAR_TIE nats of its choice: the runs only part at near-ties. (How many
@@ -25,7 +23,6 @@ from tests.model.prompts import CHAT_PROMPTS, EXTRA_PROMPTS
 pytestmark = requires_smollm2
 
 PROMPTS = CHAT_PROMPTS[:6] + EXTRA_PROMPTS[:4]
-COMPILED_PROMPTS = PROMPTS[:3]
 NEAR_TIE = 0.75  # nats between the bf16 run's choice and the quantized run's, where they part
 MEMORY = 64 << 20  # bytes: 182 bf16 blocks of SmolLM2
 
@@ -48,21 +45,12 @@ def _generate(cache_dtype: str, enforce_eager: bool, prompts: list[str], max_num
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[list[list[int]], int, bool, list[list[dict[int, float]]]]]:
-    """Eager engines of 4 sequences for every dtype (bf16 with its top-5 logprobs); fp8 once more one
-    sequence at a time, eager and compiled (max_num_seqs 1: a single graph to compile, ~1 min on a
-    fresh cache, then loaded from $FERRYLM_CACHE_DIR; the same batch shapes as its eager twin)."""
+    """Eager engines of 4 sequences for every dtype (bf16 with its top-5 logprobs). The compiled step
+    with an fp8 cache is checked on a tiny model (test_compiled_step.py): compiling SmolLM2's costs
+    a minute on CI's fresh cache."""
     out = {"auto": _generate("auto", True, PROMPTS, 4, 24, logprobs=5)}
     out |= {name: _generate(name, True, PROMPTS, 4, 24) for name in ("int8", "fp8")}
-    out["fp8-eager-1"] = _generate("fp8", True, COMPILED_PROMPTS, 1, 16)
-    out["fp8-compiled-1"] = _generate("fp8", False, COMPILED_PROMPTS, 1, 16)
     return out
-
-
-def test_compiled_fp8_step_equals_eager(runs):
-    tokens, blocks, compiled, _ = runs["fp8-compiled-1"]
-    assert compiled, "the decode step did not compile with an fp8 KV cache"
-    assert tokens == runs["fp8-eager-1"][0]
-    assert blocks == runs["fp8"][1]
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
