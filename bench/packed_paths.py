@@ -28,13 +28,14 @@ from ferrylm.model.quant.weight_only import quantize_int4  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LAYERS = 30
+VNNI_MAX_M = 4  # the VNNI kernel's limit
 
 
-def paths(p: PackedWeight, dtype: torch.dtype) -> dict:
+def paths(p: PackedWeight, dtype: torch.dtype, m: int) -> dict:
     k = p.kernels
     out = {"kernel": lambda x: k.quant_linear(x, p.codes, p.scales, p.mins, p.group, p.q4),
            "panel": lambda x: torch.nn.functional.linear(x, p._unpack(slice(None), x.dtype))}
-    if dtype == torch.bfloat16 and k.has_vnni:
+    if dtype == torch.bfloat16 and k.has_vnni and m <= VNNI_MAX_M:
         out["vnni"] = lambda x: k.quant_linear_vnni(x, p.codes, p.scales, p.mins, p.group, p.q4)
     if dtype == torch.bfloat16 and k.has_amx:
         out["amx"] = lambda x: k.quant_linear_amx(x, p.codes, p.scales, p.mins, p.group, p.q4)
@@ -45,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,4,5,8,12,16,24,32,48,64")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     kernels = load_quant_kernels()
     gen = torch.Generator().manual_seed(0)
@@ -52,7 +54,8 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         q4, s4, m4 = quantize_int4((torch.randn(n, k, generator=gen) * 0.02).bfloat16(), 32)
         weights[name] = PackedWeight(pack_q4(q4), s4, m4, 32, True, kernels)
-    for dtype in (torch.float32, torch.bfloat16):
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    for dtype in (dtypes[d] for d in args.dtypes.split(",")):
         print(f"\n{dtype}: ms per 30 layers + LM head (median of {args.reps}); best path in bold")
         header = None
         with ForeignCpu() as cpu, torch.inference_mode():
@@ -60,7 +63,7 @@ def main() -> None:
                 totals: dict[str, float] = {}
                 for name, w in weights.items():
                     x = torch.randn(m, w.in_features, generator=gen).to(dtype)
-                    fns = paths(w, dtype)
+                    fns = paths(w, dtype, m)
                     for f in fns.values():
                         f(x)
                     samples: dict[str, list[float]] = {p: [] for p in fns}
@@ -71,12 +74,12 @@ def main() -> None:
                             samples[p].append(time.perf_counter() - t0)
                     for p, v in samples.items():
                         totals[p] = totals.get(p, 0.0) + statistics.median(v) * (1 if name == "lm_head" else LAYERS)
-                if header is None:
+                if header is None or len(totals) > len(header):
                     header = list(totals)
                     print("| M | " + " | ".join(header) + " |\n|---:|" + "---:|" * len(header))
                 best = min(totals, key=totals.get)
-                print(f"| {m} | " + " | ".join(f"**{totals[p] * 1e3:.2f}**" if p == best else f"{totals[p] * 1e3:.2f}"
-                                                for p in header) + " |")
+                print(f"| {m} | " + " | ".join("-" if p not in totals else f"**{totals[p] * 1e3:.2f}**" if p == best
+                                                else f"{totals[p] * 1e3:.2f}" for p in header) + " |")
         print(f"(CPU used by other processes meanwhile: {cpu.share:.1%})")
 
 

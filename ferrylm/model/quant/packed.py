@@ -17,11 +17,14 @@ from ferrylm.model.quant.layout import dequantize_packed
 #   M <= SMALL_M, bf16/fp16 activations, AVX512-VNNI: x quantized to int8 per 32 elements and VNNI dot
 #       products (vnni_gemv.cpp, llama.cpp's arithmetic); fp32 activations, the exact path below, so a
 #       float32 model stays exact against its dequantized twin;
-#   M <= SMALL_M otherwise: the packed kernel (exact fp32 weights, FMAs);
+#   M <= SMALL_M otherwise, or M <= FP32_KERNEL_M with fp32 activations: the packed kernel (exact
+#       fp32 weights, FMAs; it reads W once per 8 rows: with fp32 activations it beats unpacking
+#       fp32 panels for GEMM up to 32 rows, bench/packed_paths.py);
 #   M <= AMX_M, bf16 activations, AMX present: 32 rows of W at a time unpacked to bf16 in cache and
 #       multiplied on AMX tiles (faster than torch's bf16 GEMM there, and no bf16 weight in memory);
 #   otherwise: panels of W unpacked to the activation dtype into a reused buffer, torch's GEMM.
 SMALL_M = 4
+FP32_KERNEL_M = 32
 AMX_M = 64
 # Rows of W unpacked per GEMM call on the last path (lm_head whole would be 56 MB per call).
 PANEL_ROWS = 16384
@@ -76,8 +79,8 @@ class PackedWeight(nn.Module):
         if not self._kernel_ok(x):
             return F.linear(x, self.dequantize(x.dtype))
         m = x.shape[0]
-        if m <= SMALL_M:
-            if self._vnni_ok(x):
+        if m <= SMALL_M or (m <= FP32_KERNEL_M and x.dtype == torch.float32):
+            if m <= SMALL_M and self._vnni_ok(x):
                 return self.kernels.quant_linear_vnni(x, self.codes, self.scales, self.mins, self.group, self.q4)
             return self.kernels.quant_linear(x, self.codes, self.scales, self.mins, self.group, self.q4)
         if m <= AMX_M and x.dtype == torch.bfloat16 and self.kernels.has_amx:
