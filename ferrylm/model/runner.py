@@ -19,22 +19,12 @@ from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.prompt_logprobs import PromptLogprob
-from ferrylm.model.sampler import (
-    Sampler,
-    SamplingBatch,
-    SamplingRequestState,
-    make_generator,
-    processed_logits,
-    sampling_probs,
-)
-from ferrylm.model.speculative import DraftBackoff, NgramProposer, rejection_sample, verify_greedy
+from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
+from ferrylm.model.spec_step import Speculator, build_batch, split_rows
 from ferrylm.model.structured_output import apply_grammar_masks, new_matcher
 from ferrylm.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("ferrylm.runner")
-# Steps with more sampled sequences than this propose no drafts (--speculative-config
-# disable_by_batch_size overrides): past it, verifying costs more than it saves (bench/speculative.py).
-DEFAULT_SPEC_MAX_BATCH = 8
 
 
 class TokenLogprobs(NamedTuple):
@@ -106,12 +96,8 @@ class ModelRunner:
 
     def set_speculative(self, speculative: SpeculativeConfig | None) -> None:
         """Propose drafts from the next step on (None: stop). Requests under way keep their state."""
-        self.speculative = speculative
-        self.proposer = None if speculative is None else NgramProposer(
-            speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
-        limit = speculative.disable_by_batch_size if speculative is not None else None
-        self.spec_max_batch = DEFAULT_SPEC_MAX_BATCH if limit is None else limit
-        self.backoff: dict[str, DraftBackoff] = {}
+        self.speculator = None if speculative is None else Speculator(speculative, self.config.vocab_size,
+                                                                      self.eos_token_ids, self.device)
 
     def _compile_decode(self, max_num_seqs: int, max_blocks: int) -> CompiledDecodeStep | None:
         """Compile (or load from the disk cache) the decode step of every batch-size bucket now, at
@@ -153,9 +139,11 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         for rid in output.finished_ids:
             self.states.pop(rid, None)
-            self.backoff.pop(rid, None)
+            if self.speculator is not None:
+                self.speculator.forget(rid)
         for new in output.new_requests:
-            self.backoff.pop(new.request_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(new.request_id)
             self.states[new.request_id] = SamplingRequestState(
                 new.sampling_params, new.prompt_token_ids,
                 grammar=new_matcher(new.grammar) if new.grammar is not None else None)
@@ -163,7 +151,7 @@ class ModelRunner:
             return RunnerOutput({}, {})
         rows = [i for i, s in enumerate(output.scheduled) if s.sample]
         counts = [1 + len(output.scheduled[i].draft_token_ids) for i in rows]
-        batch = self._batch(output.scheduled)
+        batch = build_batch(output.scheduled, self.block_size, self.device)
         plans = prompt_logprobs.plan(output.scheduled, self.states)
         scored: dict[str, list[PromptLogprob]] = {}
         if plans:  # eager: the prompt rows' hidden states are needed, not only the sampled rows' logits
@@ -178,90 +166,20 @@ class ModelRunner:
             result = self._sample(logits, [output.scheduled[i].request_id for i in rows])
         else:
             result = self._sample_and_verify(logits, [output.scheduled[i] for i in rows], counts)
-        return result._replace(prompt_logprobs=scored, draft_token_ids=self._propose(result.sampled))
-
-    def _batch(self, scheduled: list) -> ForwardBatch:
-        """The step's ForwardBatch. A drafted sequence becomes one decode row per token (the last
-        committed one, then each draft token), row j attending to its context plus the j tokens
-        before it: each layer writes every row's K/V before attending, so this is exactly causal.
-        A decode batch with drafts thus stays decode-only: the decode kernel, the compiled step."""
-        if not any(s.draft_token_ids for s in scheduled):
-            rows = [i for i, s in enumerate(scheduled) if s.sample]
-            return ForwardBatch.build([s.token_ids for s in scheduled], [s.num_computed_tokens for s in scheduled],
-                                      [s.block_ids for s in scheduled], self.block_size, rows, self.device)
-        tokens, contexts, tables, rows = [], [], [], []
-        for s in scheduled:
-            if s.draft_token_ids:
-                rows += range(len(tokens), len(tokens) + len(s.token_ids))
-                tokens += [[t] for t in s.token_ids]
-                contexts += range(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids))
-                tables += [s.block_ids] * len(s.token_ids)
-            else:
-                if s.sample:
-                    rows.append(len(tokens))
-                tokens.append(s.token_ids)
-                contexts.append(s.num_computed_tokens)
-                tables.append(s.block_ids)
-        return ForwardBatch.build(tokens, contexts, tables, self.block_size, rows, self.device)
+        drafts = self.speculator.propose(list(result.sampled), self.states) if self.speculator is not None else {}
+        return result._replace(prompt_logprobs=scored, draft_token_ids=drafts)
 
     def _sample_and_verify(self, logits: torch.Tensor, items: list, counts: list[int]) -> RunnerOutput:
-        """Rows without a draft are sampled as usual; each drafted row keeps the longest draft
-        prefix the target agrees with (greedy) or accepts by rejection sampling (sampled), then
-        takes one token of the target's own (model/speculative.py)."""
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        plain = [i for i, c in enumerate(counts) if c == 1]
+        """Rows without a draft are sampled as usual; drafted rows are verified (spec_step.py)."""
+        assert self.speculator is not None
+        plain, drafted, plain_rows, drafted_rows = split_rows(counts)
         result = RunnerOutput({}, {})
         if plain:
-            index = torch.tensor([starts[i] for i in plain], device=logits.device)
-            result = self._sample(logits.index_select(0, index), [items[i].request_id for i in plain])
-        drafted = [i for i, c in enumerate(counts) if c > 1]
-        virtual = []  # one sampling row per draft position: its prefix as if already generated
-        for i in drafted:
-            state, draft = self.states[items[i].request_id], items[i].draft_token_ids
-            virtual += [SamplingRequestState(state.params, state.prompt_token_ids,
-                                             state.output_token_ids + list(draft[:j])) for j in range(counts[i])]
-        index = torch.tensor([k for i in drafted for k in range(starts[i], starts[i + 1])], device=logits.device)
-        sampling = SamplingBatch.build(virtual, self.config.vocab_size, self.eos_token_ids, self.device)
-        processed = processed_logits(logits.index_select(0, index), sampling)
-        probs = None if sampling.all_greedy else sampling_probs(processed, sampling)
-        sampled, accepted = dict(result.sampled), {}
-        offset = 0
-        for i in drafted:
-            rid, draft, c = items[i].request_id, list(items[i].draft_token_ids), counts[i]
-            state = self.states[rid]
-            if state.params.greedy:
-                verified = verify_greedy(processed[offset:offset + c].unsqueeze(0), [draft])
-            else:
-                if state.params.seed is not None and state.generator is None:
-                    state.generator = make_generator(state.params.seed, self.device)
-                assert probs is not None
-                verified = rejection_sample(probs[offset:offset + c].unsqueeze(0),
-                                            torch.tensor([draft], device=self.device), None, state.generator)
-            offset += c
-            tokens = verified.tokens[0]
-            state.output_token_ids.extend(tokens)
-            sampled[rid], accepted[rid] = tokens[-1], tokens[:-1]
-            self.backoff.setdefault(rid, DraftBackoff()).record(len(draft), verified.num_accepted[0])
-        return RunnerOutput(sampled, result.logprobs, accepted=accepted)
-
-    def _propose(self, sampled: dict[str, int]) -> dict[str, list[int]]:
-        """Drafts for the next step, for requests that can be verified exactly here: no grammar
-        (its matcher cannot roll back yet) and no logprobs; none when the batch is large."""
-        if self.proposer is None or len(sampled) > self.spec_max_batch:
-            return {}
-        drafts = {}
-        for rid in sampled:
-            state = self.states[rid]
-            if state.grammar is not None or state.params.logprobs is not None:
-                continue
-            if not self.backoff.setdefault(rid, DraftBackoff()).allows():
-                continue
-            draft = self.proposer.propose(state.prompt_token_ids + state.output_token_ids)
-            if draft:
-                drafts[rid] = draft
-        return drafts
+            result = self._sample(logits.index_select(0, plain_rows.to(logits.device)),
+                                  [items[i].request_id for i in plain])
+        verified = self.speculator.verify(logits.index_select(0, drafted_rows.to(logits.device)),
+                                          [items[i] for i in drafted], self.states)
+        return RunnerOutput(result.sampled | verified.sampled, result.logprobs, accepted=verified.accepted)
 
     def _logits(self, batch: ForwardBatch, num_sampled: int) -> torch.Tensor:
         """float32 logits of the rows in batch.logits_indices (a compiled step computes every row's

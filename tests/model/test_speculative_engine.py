@@ -127,6 +127,15 @@ def test_seeded_sampling_with_drafts_is_reproducible(llm_fp32, prompts):
         again, _ = _run(llm_fp32, prompts[:4], params)
     assert first == again
     assert engine.stats().spec_decode_num_drafts > 0
+    # n > 1: the children of one request speculate independently and stay reproducible
+    from ferrylm import LLM
+
+    n3 = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=24)
+    with speculating(llm_fp32):
+        outs = [LLM.from_engine(engine_like(llm_fp32)).generate([{"prompt_token_ids": prompts[3]}], n3,
+                                                                use_tqdm=False)[0] for _ in range(2)]
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
+    assert len(outs[0].outputs) == 3 and all(0 < len(c.token_ids) <= 24 for c in outs[0].outputs)
 
 
 def _tiny_engine(speculative: SpeculativeConfig | None):
