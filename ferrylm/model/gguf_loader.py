@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 import re
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,34 +35,121 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in the file (what GGUFReader found there)."""
+
+    name: str
+    tensor_type: int  # a GGMLType value
+    shape: tuple[int, ...]  # GGUF order (innermost dimension first)
+    data_offset: int  # from the start of the file
+    n_bytes: int
+
+
+# Arrays longer than this are not kept in the index (the vocabulary, merges): only their length.
+_INDEXED_ARRAY_MAX = 4096
+
+
 class GGUFFile:
-    """An opened GGUF file with validated tensor extents."""
+    """An opened GGUF file with validated tensor extents: its metadata fields and tensor table.
+
+    gguf's GGUFReader parses every field up front, the whole vocabulary included (4 s for SmolLM2,
+    paid by every process that loads the model). What it finds (scalar fields, short arrays, the
+    lengths of long ones, the tensor table) is kept in $FERRYLM_CACHE_DIR/gguf keyed by path, size
+    and mtime, like the converted tokenizer; tensor bytes are read from a memmap of the file.
+    """
 
     def __init__(self, path: Path):
-        try:
-            from gguf import GGUFReader
-        except ImportError:
-            raise ModelLoadError(f"{path}: reading GGUF needs the 'gguf' package (pip install gguf)") from None
         self.path = path
-        try:
-            self.reader = GGUFReader(str(path))
-        except Exception as e:  # gguf raises ValueError/IndexError/etc. on damaged headers
-            raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt: {e})") from None
         size = path.stat().st_size
-        for t in self.reader.tensors:
+        index = _read_index(path) or _index_with_reader(path)
+        self._fields: dict = index["fields"]
+        self.tensors = [TensorInfo(t[0], t[1], tuple(t[2]), t[3], t[4]) for t in index["tensors"]]
+        for t in self.tensors:
             if t.data_offset + t.n_bytes > size:
                 raise ModelLoadError(f"{path}: truncated, tensor {t.name!r} extends past the end of the file")
+        self._map = np.memmap(path, dtype=np.uint8, mode="r")
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        """A field's value; for a long array (the vocabulary) only its length, see field_len."""
+        value = self._fields.get(key, default)
+        return default if isinstance(value, dict) and "length" in value else value
+
+    def field_len(self, key: str) -> int | None:
+        value = self._fields.get(key)
+        if value is None:
+            return None
+        return value["length"] if isinstance(value, dict) and "length" in value else len(value)
+
+    def data(self, t: TensorInfo) -> np.ndarray:
+        """The tensor's bytes (a read-only uint8 view of the file)."""
+        return self._map[t.data_offset:t.data_offset + t.n_bytes]
 
     @property
     def architecture(self) -> str:
         return self.field("general.architecture", "unknown")
 
     def tensor_names(self) -> set[str]:
-        return {t.name for t in self.reader.tensors}
+        return {t.name for t in self.tensors}
+
+
+def _index_path(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("FERRYLM_CACHE_DIR", Path.home() / ".cache" / "ferrylm"))
+    return root / "gguf" / f"{key}.json"
+
+
+def _read_index(path: Path) -> dict | None:
+    try:
+        index = json.loads(_index_path(path).read_text())
+        return index if index.get("version") == 1 else None
+    except (OSError, ValueError):
+        return None  # absent or damaged: parse the file again
+
+
+def _index_with_reader(path: Path) -> dict:
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelLoadError(f"{path}: reading GGUF needs the 'gguf' package (pip install gguf)") from None
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/IndexError/etc. on damaged headers
+        raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt: {e})") from None
+    fields = {}
+    for name, f in reader.fields.items():
+        if f.types and f.types[0].name == "ARRAY" and len(f.data) > _INDEXED_ARRAY_MAX:
+            fields[name] = {"length": len(f.data)}
+        else:
+            fields[name] = f.contents()
+    index = {"version": 1, "fields": fields,
+             "tensors": [(t.name, int(t.tensor_type), [int(d) for d in t.shape.tolist()], int(t.data_offset),
+                          int(t.n_bytes)) for t in reader.tensors]}
+    _write_index(path, index)
+    return index
+
+
+def _write_index(path: Path, index: dict) -> None:
+    """Atomically (a reader never sees half a file); a cache that cannot be written is skipped."""
+    target = _index_path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(index, f, default=_json_value)
+        os.replace(tmp, target)
+    except (OSError, TypeError, ValueError):
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(tmp)
+
+
+def _json_value(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode("utf-8", "replace")
+    raise TypeError(f"not JSON: {type(value).__name__}")
 
 
 def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
@@ -72,7 +164,7 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
 
     heads = key("attention.head_count")
     hidden = key("embedding_length")
-    tokens = gguf.field("tokenizer.ggml.tokens")
+    num_tokens = gguf.field_len("tokenizer.ggml.tokens")
     scaling = None
     if key("rope.scaling.type") in ("linear",):
         scaling = (("factor", key("rope.scaling.factor")), ("rope_type", "linear"))
@@ -81,7 +173,7 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     eos = gguf.field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=key("vocab_size") or len(tokens),
+        vocab_size=key("vocab_size") or num_tokens,
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
         num_layers=key("block_count"),
@@ -134,33 +226,34 @@ class GGUFTensor:
         return GGUFTensor(self.ggml_type, data, self.shape)
 
 
-def _raw_tensor(t, path: Path) -> GGUFTensor | torch.Tensor:
-    """A reader tensor as a GGUFTensor (2-D) or a float32 tensor (1-D: norms)."""
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    kind = int(t.tensor_type)
+def _raw_tensor(gguf: GGUFFile, t: TensorInfo) -> GGUFTensor | torch.Tensor:
+    """A file tensor as a GGUFTensor (2-D) or a float32 tensor (1-D: norms)."""
+    shape = tuple(reversed(t.shape))
+    kind = t.tensor_type
+    raw = gguf.data(t)
     try:
         if len(shape) != 2:
-            return dequantize(np.asarray(t.data), kind, shape)
+            return dequantize(raw, kind, shape)
         if kind not in GGMLType._value2member_map_:
-            dequantize(np.asarray(t.data), kind, shape)  # raises the readable "unsupported type" error
+            dequantize(raw, kind, shape)  # raises the readable "unsupported type" error
         block, size = BLOCK_SIZES[GGMLType(kind)]
         if shape[1] % block:
             raise ValueError(f"{GGMLType(kind).name}: row length {shape[1]} is not a multiple of {block}")
-        data = as_bytes(np.asarray(t.data)).reshape(shape[0], shape[1] // block * size)
+        data = as_bytes(raw).reshape(shape[0], shape[1] // block * size)
         return GGUFTensor(kind, data, shape)
     except ValueError as e:
-        raise ModelLoadError(f"{path}: tensor {t.name!r}: {e}") from None
+        raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: {e}") from None
 
 
 def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor | torch.Tensor]]:
     """Yield (HF checkpoint name, tensor) for every tensor the model uses: 2-D tensors as GGUFTensor
     (Q/K rows already un-permuted), 1-D ones as float32."""
     permute = config.architecture in ("llama", "mistral")
-    for t in gguf.reader.tensors:
+    for t in gguf.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = _raw_tensor(t, gguf.path)
+        w = _raw_tensor(gguf, t)
         if permute and name.endswith("q_proj.weight"):
             w = w.with_rows(unpermute_qk(w.data, config.num_heads))
         elif permute and name.endswith("k_proj.weight"):

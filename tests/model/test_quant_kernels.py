@@ -174,20 +174,21 @@ def test_default_model_tensors_repack_losslessly():
     """Every tensor type the default model file holds (Q4_1 linears, Q8_0 tied embedding / lm_head;
     F32 norms stay float): repacked codes are the file's integers, scales / mins its fp16 values, and the
     matmuls agree with their twins on these real weights."""
+    from ferrylm.model.gguf_dequant import GGMLType
     from ferrylm.model.gguf_loader import GGUFFile, _raw_tensor
     from ferrylm.model.model_source import resolve_model
 
     path = resolve_model("smollm2-135m").path
-    reader = GGUFFile(path).reader
-    kinds = {t.tensor_type.name for t in reader.tensors}
+    gguf = GGUFFile(path)
+    kinds = {GGMLType(t.tensor_type).name for t in gguf.tensors}
     assert kinds == {"F32", "Q4_1", "Q8_0"}, kinds
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in gguf.tensors}
     for name in ("blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"):
         t = by_name[name]
-        raw = np.asarray(t.data)
-        tensor = _raw_tensor(t, path)
+        raw = np.asarray(gguf.data(t)).reshape(t.shape[1], -1)  # [rows, bytes per row]
+        tensor = _raw_tensor(gguf, t)
         weight = repack(tensor, KERNELS)
-        if t.tensor_type.name == "Q4_1":
+        if GGMLType(t.tensor_type).name == "Q4_1":
             blocks = raw.reshape(raw.shape[0], -1, 20)
             nibbles = blocks[..., 4:]
             file_codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(raw.shape[0], -1)
