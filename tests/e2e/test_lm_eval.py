@@ -7,14 +7,10 @@ this file alone."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ferrylm.model.model_source import resolve_model
 from tests.conftest import requires_smollm2
 
 pytestmark = [requires_smollm2, pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
@@ -36,30 +32,35 @@ metric_list:
 """
 
 
-def _run_lm_eval(tmp: Path, name: str, model: str, model_args: str) -> dict[int, list[float]]:
-    """Per document, the loglikelihood of each choice, from lm-eval's logged samples."""
-    out = tmp / name
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", "ferry_tiny_mc",
-           "--include_path", str(tmp / "task"), "--log_samples", "--output_path", str(out), "--device", "cpu"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    samples = [json.loads(line) for path in out.rglob("samples_*.jsonl") for line in path.read_text().splitlines()]
-    assert samples, done.stderr[-3000:]
+def _loglikelihoods(task_dir: Path, model, model_args: str | None = None) -> dict[int, list[float]]:
+    """Per document, the loglikelihood of each choice, from lm-eval's logged samples (run in this
+    process: each `python -m lm_eval` would pay its ~10 s import again)."""
+    from lm_eval import evaluator
+    from lm_eval.tasks import TaskManager
+
+    results = evaluator.simple_evaluate(model=model, model_args=model_args, tasks=["ferry_tiny_mc"], log_samples=True,
+                                        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+                                        device="cpu", random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+    samples = results["samples"]["ferry_tiny_mc"]
+    assert samples
     return {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in samples}
 
 
-def test_loglikelihoods_equal_lm_evals_hf_backend(api_server, llm_fp32, tmp_path):
+def test_loglikelihoods_equal_lm_evals_hf_backend(api_server, llm_fp32, hf_reference, tmp_path):
+    """lm-eval's `hf` backend runs on the session's transformers model, which is transformers
+    loading the same GGUF (conftest.hf_reference), handed to HFLM as a model instance."""
+    from lm_eval.models.huggingface import HFLM
+
     (tmp_path / "task").mkdir()
     (tmp_path / "task" / "ferry_tiny_mc.yaml").write_text(TASK.format(data=DATA))
     tokenizer_dir = tmp_path / "tokenizer"
     llm_fp32.get_tokenizer().hf.save_pretrained(tokenizer_dir)
-    served = _run_lm_eval(tmp_path, "served", "local-completions",
-                          f"model=smollm2-135m,base_url={api_server.url('/v1/completions')},"
-                          f"tokenizer_backend=huggingface,tokenizer={tokenizer_dir},tokenized_requests=True,"
-                          "num_concurrent=1,max_retries=1")
-    source = resolve_model("smollm2-135m")
-    reference = _run_lm_eval(tmp_path, "hf", "hf", f"pretrained={source.directory},gguf_file={source.path.name},"
-                                                   f"dtype=float32,tokenizer={tokenizer_dir}")
+    served = _loglikelihoods(tmp_path / "task", "local-completions",
+                             f"model=smollm2-135m,base_url={api_server.url('/v1/completions')},"
+                             f"tokenizer_backend=huggingface,tokenizer={tokenizer_dir},tokenized_requests=True,"
+                             "num_concurrent=1,max_retries=1")
+    reference = _loglikelihoods(tmp_path / "task", HFLM(pretrained=hf_reference, tokenizer=str(tokenizer_dir),
+                                                        batch_size=1, device="cpu"))
     assert served.keys() == reference.keys() and len(served) == len(DATA.read_text().splitlines())
     for doc, values in served.items():
         assert len(values) == len(reference[doc])

@@ -1,7 +1,7 @@
 """The default model (SmolLM2 Q4_1 GGUF) with its blocks kept packed vs dequantized at load.
 
-Decision, from measurements on these 9 chat prompts (32 greedy tokens, each prompt decoded alone so the
-batch-1 packed kernel runs every decode step):
+Decision, from measurements on these 9 chat prompts (32 greedy tokens, at most 4 decoded together so
+the small-batch packed kernel runs every decode step):
 - fp32 activations: the packed kernel multiplies the exact fp32 values of the file's blocks, the same
   values the dequantized model holds, so greedy output is identical. The default LLM is packed, so the
   session fixture llm_fp32 is too: test_smollm2_reference and test_engine_exactness check it against
@@ -34,13 +34,14 @@ NEW_TOKENS = 32
 NEAR_TIE = 0.75  # nats between the dequantized run's choice and the packed run's, where they part
 
 
-def _greedy_alone(quantization: str | None, prompts: list[list[int]],
+def _greedy_small_batches(quantization: str | None, prompts: list[list[int]],
                   logprobs: int | None = None) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
-    """Each prompt decoded on its own (max_num_seqs=1): every decode step is one activation row.
+    """At most 4 prompts decoded together (max_num_seqs=4): every decode step has 1..4 activation
+    rows, the packed decode path (vnni_gemv.cpp), as one prompt alone would take.
     Returns the tokens and, when asked, each step's top `logprobs` alternatives (token -> logprob)."""
     from ferrylm import LLM
 
-    llm = LLM("smollm2-135m", dtype="bfloat16", quantization=quantization, max_num_seqs=1,
+    llm = LLM("smollm2-135m", dtype="bfloat16", quantization=quantization, max_num_seqs=4,
               kv_cache_memory=64 << 20, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
@@ -66,8 +67,8 @@ def test_default_gguf_model_is_kept_packed(llm_fp32):
 
 def test_greedy_packed_vs_dequantized_bf16(prompt_ids):
     assert len(prompt_ids) >= 8
-    packed, _ = _greedy_alone(None, prompt_ids)
-    dequantized, tops = _greedy_alone("none", prompt_ids, logprobs=5)
+    packed, _ = _greedy_small_batches(None, prompt_ids)
+    dequantized, tops = _greedy_small_batches("none", prompt_ids, logprobs=5)
     prefixes = [next((i for i, (a, b) in enumerate(zip(p, d)) if a != b), NEW_TOKENS)
                 for p, d in zip(packed, dequantized)]
     for prompt, (p, d, top, i) in enumerate(zip(packed, dequantized, tops, prefixes)):
