@@ -253,8 +253,9 @@ models:
         stop(gw)
 
 
-def test_standalone_gateway_auth_limits_and_audit(replicas, tmp_path):
-    db = f"sqlite:///{tmp_path}/state.db"
+def _tenant_key(db: str) -> str:
+    """A tenant `acme` (100k tokens/min, this model) in the state DB `db`, and an API key of it,
+    made with the real `ferrylm tenants` / `ferrylm keys` commands."""
 
     def cli(*args: str) -> str:
         out = subprocess.run([sys.executable, "-m", "ferrylm.cli", *args, "--state-db", db], check=True,
@@ -262,7 +263,12 @@ def test_standalone_gateway_auth_limits_and_audit(replicas, tmp_path):
         return out.stdout.strip().splitlines()[-1]
 
     cli("tenants", "create", "acme", "--tpm", "100000", "--models", MODEL)
-    key = cli("keys", "create", "--tenant", "acme")
+    return cli("keys", "create", "--tenant", "acme")
+
+
+def test_standalone_gateway_auth_limits_and_audit(replicas, tmp_path):
+    db = f"sqlite:///{tmp_path}/state.db"
+    key = _tenant_key(db)
     gw = start_gateway("--upstream", replicas[1].base_url, "--require-auth", "--state-db", db)
     try:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
@@ -282,14 +288,7 @@ def test_gateway_routes_responses_tokenizer_and_model_endpoints(replicas, tmp_pa
     """/v1/responses (streamed and not, usage billed from the Responses shape), /tokenize,
     /detokenize, /v1/models/{id} and /version through an authenticating gateway."""
     db = f"sqlite:///{tmp_path}/state.db"
-
-    def cli(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "ferrylm.cli", *args, "--state-db", db], check=True,
-                             capture_output=True, text=True)
-        return out.stdout.strip().splitlines()[-1]
-
-    cli("tenants", "create", "acme", "--tpm", "100000", "--models", MODEL)
-    key = cli("keys", "create", "--tenant", "acme")
+    key = _tenant_key(db)
     auth = {"Authorization": f"Bearer {key}"}
     gw = start_gateway("--upstream", replicas[0].base_url, "--require-auth", "--state-db", db)
     try:

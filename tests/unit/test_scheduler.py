@@ -111,11 +111,8 @@ actions = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), 
                              st.integers(1, 30), st.integers(1, 12), st.integers(-1, 2)), max_size=80)
 
 
-@settings(max_examples=examples(120), deadline=None)
-@given(actions, st.integers(8, 40), st.booleans())
-def test_random_add_step_abort_sequences(ops, num_blocks, prefix):
-    s = make(num_blocks=num_blocks, budget=12, max_seqs=4, prefix=prefix)
-    rng = random.Random(0)
+def _run_ops(s: Scheduler, ops, step_fn) -> None:
+    """Apply hypothesis' add / abort / step actions, checking the invariants after each."""
     ids = 0
     for action, pick, n_prompt, max_tokens, priority in ops:
         if action == "add":
@@ -128,9 +125,21 @@ def test_random_add_step_abort_sequences(ops, num_blocks, prefix):
         elif action == "abort" and s.requests:
             s.finish_request(sorted(s.requests)[pick % len(s.requests)], FinishReason.ABORT)
         else:
-            out = s.schedule()
-            s.update(out, {i.request_id: rng.randrange(2, 20) for i in out.scheduled if i.sample})
+            step_fn()
         s.check_invariants()
+
+
+@settings(max_examples=examples(120), deadline=None)
+@given(actions, st.integers(8, 40), st.booleans())
+def test_random_add_step_abort_sequences(ops, num_blocks, prefix):
+    s = make(num_blocks=num_blocks, budget=12, max_seqs=4, prefix=prefix)
+    rng = random.Random(0)
+
+    def random_step() -> None:
+        out = s.schedule()
+        s.update(out, {i.request_id: rng.randrange(2, 20) for i in out.scheduled if i.sample})
+
+    _run_ops(s, ops, random_step)
     for _ in range(2000):  # everything left must drain: no request is stuck forever
         if not s.has_unfinished:
             break
@@ -171,20 +180,7 @@ def test_random_add_step_abort_with_speculative_drafts(ops, num_blocks, prefix, 
     holds after every step, nothing passes max_tokens, and everything drains with no block lost."""
     s = make(num_blocks=num_blocks, budget=12, max_seqs=4, prefix=prefix, max_len=40)
     rng = random.Random(seed)
-    ids = 0
-    for action, pick, n_prompt, max_tokens, priority in ops:
-        if action == "add":
-            try:
-                s.add_request(req(f"r{ids}", n_prompt, max_tokens, priority, float(ids), eos=(3,),
-                                  first=pick % 3))
-            except RequestRejected:
-                pass
-            ids += 1
-        elif action == "abort" and s.requests:
-            s.finish_request(sorted(s.requests)[pick % len(s.requests)], FinishReason.ABORT)
-        else:
-            _speculative_step(s, rng)
-        s.check_invariants()
+    _run_ops(s, ops, lambda: _speculative_step(s, rng))
     for _ in range(2000):
         if not s.has_unfinished:
             break
