@@ -98,8 +98,11 @@ class QuantConfig:
         return cls(value)
 
 
-SPECULATIVE_METHODS = ("ngram",)
-SPECULATIVE_PLANNED = ("draft_model", "layer_skip", "eagle", "medusa", "mtp")  # vLLM's, not built here yet
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
+SPECULATIVE_PLANNED = ("eagle", "eagle3", "medusa", "mtp")  # vLLM's, not built here yet
+# Keys that only some methods read: given to another method, they would be silently ignored.
+_METHOD_KEYS = {"prompt_lookup_min": "ngram", "prompt_lookup_max": "ngram", "model": "draft_model",
+                "num_layers": "layer_skip"}
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,11 @@ class SpeculativeConfig:
     """--speculative-config (vLLM's JSON): how drafts are proposed and how many per step.
 
     ngram: prompt lookup, the last prompt_lookup_max..prompt_lookup_min tokens matched earlier in the
-    request's own tokens. disable_by_batch_size: no drafts in a step with more running sequences
-    than this (verification then costs more than it saves; bench/speculative.py measures it).
+    request's own tokens. draft_model: `model` (an alias, a .gguf file or a HF directory) with the
+    target's vocabulary drafts autoregressively with its own paged KV cache. layer_skip: the target's
+    first `num_layers` layers plus its norm and LM head draft (no second set of weights).
+    disable_by_batch_size: no drafts in a step with more running sequences than this (verification
+    then costs more than it saves; bench/speculative.py measures it).
     """
 
     method: str
@@ -116,6 +122,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model
+    num_layers: int | None = None  # layer_skip
 
     def __post_init__(self) -> None:
         if self.method in SPECULATIVE_PLANNED:
@@ -132,6 +140,12 @@ class SpeculativeConfig:
                               f"(got {self.prompt_lookup_min}, {self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ConfigError("--speculative-config disable_by_batch_size must be >= 1")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ConfigError("--speculative-config method 'draft_model' needs 'model': the draft model's "
+                              "alias, .gguf file or Hugging Face directory")
+        if self.method == "layer_skip" and (not isinstance(self.num_layers, int) or self.num_layers < 1):
+            raise ConfigError("--speculative-config method 'layer_skip' needs 'num_layers', an integer >= 1 "
+                              f"(the target's first layers that draft), not {self.num_layers!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -154,6 +168,9 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config has unknown keys {unknown}; known: {sorted(known)}")
         if "method" not in value or "num_speculative_tokens" not in value:
             raise ConfigError("--speculative-config needs 'method' and 'num_speculative_tokens'")
+        stray = sorted(k for k, method in _METHOD_KEYS.items() if k in value and value["method"] != method)
+        if stray and value["method"] in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-config keys {stray} do not apply to method {value['method']!r}")
         return cls(**value)
 
 

@@ -35,3 +35,4 @@ class SchedulerOutput(NamedTuple):
     new_requests: list[NewRequestData]
     finished_ids: list[str]  # requests the runner can forget (finished since the last step)
     num_batched_tokens: int
+    preempted_ids: tuple[str, ...] = ()  # their KV blocks were freed this step (recomputed when resumed)

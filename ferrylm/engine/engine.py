@@ -146,7 +146,7 @@ class Engine:
         failed = self._fail_uncompilable() if self._compiling else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if sched.finished_ids:  # let the runner forget them (sampling state, grammar matchers)
+            if sched.finished_ids or sched.preempted_ids:  # let the runner forget them (sampling state, drafts)
                 self.runner.execute(sched)
             pending = [r.grammar for r in self._compiling if r.grammar is not None]
             if pending:  # idle until a grammar is ready instead of spinning

@@ -69,6 +69,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._known_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []  # since the last schedule(): the runner drops what it drafted over them
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -106,7 +107,8 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(scheduled, new_requests, budget)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, new_requests, finished, self.config.max_num_batched_tokens - budget)
+        lost, self._preempted_ids = tuple(self._preempted_ids), []
+        return SchedulerOutput(scheduled, new_requests, finished, self.config.max_num_batched_tokens - budget, lost)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[int, bool]:
         """Advance running requests in priority order, preempting the least important on OOM."""
@@ -196,6 +198,7 @@ class Scheduler:
         """Recompute-style preemption: drop its KV, requeue it (its arrival time puts it in front)."""
         self.running.remove(req)
         self.block_manager.free(req.request_id)
+        self._preempted_ids.append(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []

@@ -124,14 +124,18 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens(input_ids)
         return self.lm_head.quant.embed(self.lm_head, input_ids, self.norm.weight.dtype)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache], num_layers: int | None = None) -> torch.Tensor:
         """Hidden states [T, hidden]. The runner attaches the step's attention metadata; callers that
-        do not (tests, benchmarks) get it prepared here, still once for all layers."""
+        do not (tests, benchmarks) get it prepared here, still once for all layers. `num_layers`: run
+        only the first layers, then the final norm (the layer_skip draft; kv_caches has that many)."""
         if batch.attn_metadata is None:
             batch = batch.with_attn_metadata(self.attn_backend.prepare(batch))
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} layers")
         x = self.embed(batch.input_ids)  # [T, hidden]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(layers, kv_caches):
             x, residual = layer(x, residual, batch, kv_cache)
         x, _ = self.norm.forward_residual(x, residual)
         return x

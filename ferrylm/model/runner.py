@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ferrylm.config import CacheConfig, ConfigError, ModelConfig, QuantConfig, SpeculativeConfig
-from ferrylm.model import prompt_logprobs
+from ferrylm.model import draft_setup, prompt_logprobs
 from ferrylm.model.attention import AttentionSpec, kv_quant, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
 from ferrylm.model.compiled_step import CompiledDecodeStep
@@ -76,7 +76,10 @@ class ModelRunner:
                               f"{type(self.attn_backend).__name__} attention backend; use --kv-cache-dtype auto")
         self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, self.attn_backend, max_model_len,
                                                    cpu_fused_ops(device), quantization)
-        self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens)
+        self.max_model_len, self.attention_kind = max_model_len, attention
+        draft_bytes = draft_setup.kv_bytes_per_block(speculative, self.config, self.block_size, dtype)
+        self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens,
+                                                                              draft_bytes)
         # One block past the engine's pool (index num_blocks) takes the writes of CUDA-graph (or
         # compiled-step) padding rows.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
@@ -95,9 +98,15 @@ class ModelRunner:
         self.set_speculative(speculative)
 
     def set_speculative(self, speculative: SpeculativeConfig | None) -> None:
-        """Propose drafts from the next step on (None: stop). Requests under way keep their state."""
-        self.speculator = None if speculative is None else Speculator(speculative, self.config.vocab_size,
-                                                                      self.eos_token_ids, self.device)
+        """Propose drafts from the next step on (None: stop). Requests under way keep their sampling
+        state; a draft model or layer_skip proposer is built here (a draft model is loaded)."""
+        self.speculator = None
+        if speculative is not None:
+            proposer = draft_setup.build_proposer(speculative, self.model, self.config, self.num_blocks,
+                                                  self.block_size, self.max_model_len, self.dtype, self.device,
+                                                  self.attention_kind, self.eos_token_ids)
+            self.speculator = Speculator(speculative, self.config.vocab_size, self.eos_token_ids, self.device,
+                                         proposer)
 
     def _compile_decode(self, max_num_seqs: int, max_blocks: int) -> CompiledDecodeStep | None:
         """Compile (or load from the disk cache) the decode step of every batch-size bucket now, at
@@ -114,10 +123,11 @@ class ModelRunner:
                  report.compiled, report.loaded, step.cache_dir)
         return step
 
-    def _blocks_from_budget(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
+    def _blocks_from_budget(self, cache_config: CacheConfig, max_num_batched_tokens: int, draft_bytes: int) -> int:
         """KV pool size: `kv_cache_memory` bytes on CPU; on CUDA, what `gpu_memory_utilization` leaves
-        after the weights and an activation reserve for the largest step."""
-        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype, self.cache_dtype)
+        after the weights and an activation reserve for the largest step. A speculative draft's K/V
+        (`draft_bytes` per block) shares the budget."""
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype, self.cache_dtype) + draft_bytes
         budget = cache_config.kv_cache_memory
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -141,6 +151,9 @@ class ModelRunner:
             self.states.pop(rid, None)
             if self.speculator is not None:
                 self.speculator.forget(rid)
+        for rid in output.preempted_ids:
+            if self.speculator is not None:
+                self.speculator.lost_blocks(rid)
         for new in output.new_requests:
             if self.speculator is not None:
                 self.speculator.forget(new.request_id)
@@ -166,7 +179,9 @@ class ModelRunner:
             result = self._sample(logits, [output.scheduled[i].request_id for i in rows])
         else:
             result = self._sample_and_verify(logits, [output.scheduled[i] for i in rows], counts)
-        drafts = self.speculator.propose(list(result.sampled), self.states) if self.speculator is not None else {}
+        drafts = {}
+        if self.speculator is not None:
+            drafts = self.speculator.propose([output.scheduled[i] for i in rows], self.states)
         return result._replace(prompt_logprobs=scored, draft_token_ids=drafts)
 
     def _sample_and_verify(self, logits: torch.Tensor, items: list, counts: list[int]) -> RunnerOutput:

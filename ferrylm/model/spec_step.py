@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from ferrylm.config import SpeculativeConfig
+from ferrylm.model.draft_proposer import Draft, DraftInput, ModelProposer
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.sampler import (
     SamplingBatch,
@@ -58,36 +59,58 @@ def build_batch(scheduled: Sequence[ScheduledRequest], block_size: int, device: 
 
 class Speculator:
     """Owns the proposer and each request's backoff; the runner calls propose() after sampling and
-    verify() for the rows that carried a draft."""
+    verify() for the rows that carried a draft. `model_proposer`: the draft model or layer_skip
+    proposer (draft_proposer.py) for those methods; the n-gram proposer needs none."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, eos_token_ids: list[int], device: torch.device):
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, eos_token_ids: list[int], device: torch.device,
+                 model_proposer: ModelProposer | None = None):
         self.config = config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
-        limit = config.disable_by_batch_size
-        self.max_batch = DEFAULT_SPEC_MAX_BATCH if limit is None else limit
+        self.model_proposer = model_proposer
+        self.max_batch = max_spec_batch(config)
         self.vocab_size, self.eos_token_ids, self.device = vocab_size, eos_token_ids, device
         self.backoff: dict[str, DraftBackoff] = {}
+        self.pending: dict[str, Draft] = {}  # each request's last draft with its q, until verified
 
     def forget(self, request_id: str) -> None:
         self.backoff.pop(request_id, None)
+        self.lost_blocks(request_id)
 
-    def propose(self, request_ids: Sequence[str], states: dict[str, SamplingRequestState]) -> dict[str, list[int]]:
-        """Drafts for the next step, for requests that can be verified exactly here: no grammar (its
-        matcher cannot roll back yet) and no logprobs; none when the batch is large."""
-        if len(request_ids) > self.max_batch:
+    def lost_blocks(self, request_id: str) -> None:
+        """The request's KV blocks were freed (preempted, finished): nothing drafted over them holds."""
+        self.pending.pop(request_id, None)
+        if self.model_proposer is not None:
+            self.model_proposer.forget(request_id)
+
+    def propose(self, items: Sequence[ScheduledRequest], states: dict[str, SamplingRequestState]) -> dict[str, list[int]]:
+        """Drafts for the next step for the requests sampled in this one (`items`), for those that can
+        be verified exactly here: no grammar (its matcher cannot roll back yet) and no logprobs; none
+        when the batch is large."""
+        for item in items:
+            self.pending.pop(item.request_id, None)
+        if len(items) > self.max_batch:
             return {}
-        drafts = {}
-        for rid in request_ids:
-            state = states[rid]
+        eligible = []
+        for item in items:
+            state = states[item.request_id]
             if state.grammar is not None or state.params.logprobs is not None:
                 continue
-            if not self.backoff.setdefault(rid, DraftBackoff()).allows():
-                continue
-            draft = self.proposer.propose(state.prompt_token_ids + state.output_token_ids)
-            if draft:
-                drafts[rid] = draft
-        return drafts
+            if self.backoff.setdefault(item.request_id, DraftBackoff()).allows():
+                eligible.append(item)
+        if self.model_proposer is None:
+            drafts = {item.request_id: self.proposer.propose(_all_tokens(states[item.request_id]))
+                      for item in eligible}
+            return {rid: draft for rid, draft in drafts.items() if draft}
+        inputs = [DraftInput(item.request_id, _all_tokens(states[item.request_id]), item.block_ids)
+                  for item in eligible]
+        proposals = self.model_proposer.propose(inputs, [states[item.request_id] for item in eligible])
+        out = {}
+        for item, draft in zip(eligible, proposals):
+            if draft.token_ids:
+                self.pending[item.request_id] = draft
+                out[item.request_id] = draft.token_ids
+        return out
 
     def verify(self, logits: torch.Tensor, items: Sequence[ScheduledRequest],
                states: dict[str, SamplingRequestState]) -> Verification:
@@ -116,13 +139,34 @@ class Speculator:
                     state.generator = make_generator(state.params.seed, self.device)
                 assert probs is not None
                 verified = rejection_sample(probs[offset:offset + n].unsqueeze(0),
-                                            torch.tensor([draft], device=self.device), None, state.generator)
+                                            torch.tensor([draft], device=self.device), self._draft_q(rid, draft),
+                                            state.generator)
             offset += n
             tokens = verified.tokens[0]
             state.output_token_ids.extend(tokens)
             sampled[rid], accepted[rid] = tokens[-1], tokens[:-1]
             self.backoff.setdefault(rid, DraftBackoff()).record(len(draft), verified.num_accepted[0])
         return Verification(sampled, accepted)
+
+
+    def _draft_q(self, request_id: str, draft: list[int]) -> torch.Tensor | None:
+        """[1, len(draft), V]: the distribution the model proposer drew `draft` from (the scheduler may
+        have cut it); None for n-gram drafts (a one-hot q)."""
+        pending = self.pending.pop(request_id, None)
+        if self.model_proposer is None:
+            return None
+        if pending is None or pending.probs is None or pending.token_ids[:len(draft)] != draft:
+            raise RuntimeError(f"request {request_id}: the draft to verify is not the one proposed")
+        return pending.probs[:len(draft)].unsqueeze(0)
+
+
+def max_spec_batch(config: SpeculativeConfig) -> int:
+    """Most sampled sequences in a step that still proposes drafts."""
+    return DEFAULT_SPEC_MAX_BATCH if config.disable_by_batch_size is None else config.disable_by_batch_size
+
+
+def _all_tokens(state: SamplingRequestState) -> list[int]:
+    return state.prompt_token_ids + state.output_token_ids
 
 
 def split_rows(counts: Sequence[int]) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:

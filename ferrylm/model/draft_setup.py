@@ -1,0 +1,75 @@
+"""Building the proposer a --speculative-config asks for: nothing for ngram (the Speculator's own),
+the target's first layers for layer_skip, a second model loaded beside the target for draft_model.
+Configs that cannot work with the target (another vocabulary, more draft layers than the target
+has) are start-up errors naming the key."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ferrylm.config import ConfigError, ModelConfig, SpeculativeConfig
+from ferrylm.model.draft_proposer import ModelProposer, draft_kv_bytes_per_block
+from ferrylm.model.llama import LlamaForCausalLM
+from ferrylm.model.spec_step import max_spec_batch
+
+log = logging.getLogger("ferrylm.runner")
+
+
+def kv_bytes_per_block(spec: SpeculativeConfig | None, target: ModelConfig, block_size: int,
+                       dtype: torch.dtype) -> int:
+    """Bytes the draft's K/V adds to each pool block (0 without a model proposer)."""
+    if spec is None or spec.method == "ngram":
+        return 0
+    if spec.method == "layer_skip":
+        return draft_kv_bytes_per_block(target, min(spec.num_layers or 0, target.num_layers), block_size, dtype)
+    draft = _draft_checkpoint(spec).config
+    return draft_kv_bytes_per_block(draft, draft.num_layers, block_size, dtype)
+
+
+def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, target_config: ModelConfig, num_blocks: int,
+                   block_size: int, max_model_len: int, dtype: torch.dtype, device: torch.device, attention: str,
+                   eos_token_ids: list[int]) -> ModelProposer | None:
+    """The ModelProposer for layer_skip / draft_model over `num_blocks` pool blocks; None for ngram."""
+    if spec.method == "ngram":
+        return None
+    k, max_batch = spec.num_speculative_tokens, max_spec_batch(spec)
+    if spec.method == "layer_skip":
+        layers = spec.num_layers or 0
+        if layers >= target_config.num_layers:
+            raise ConfigError(f"--speculative-config num_layers {layers} must be below the target's "
+                              f"{target_config.num_layers} layers (layer_skip drafts with a prefix of them)")
+        return ModelProposer(target, layers, k, num_blocks, block_size, max_batch, max_model_len, eos_token_ids,
+                             dtype, device)
+    draft = _load_draft(spec, target_config, block_size, max_model_len, dtype, device, attention)
+    return ModelProposer(draft, draft.config.num_layers, k, num_blocks, block_size, max_batch, max_model_len,
+                         eos_token_ids, dtype, device)
+
+
+def _draft_checkpoint(spec: SpeculativeConfig):
+    """The draft model's checkpoint (config now, weights on demand); a missing model is a ConfigError."""
+    from ferrylm.model.loader import Checkpoint
+    from ferrylm.model.model_source import ModelLoadError, resolve_model
+
+    try:
+        return Checkpoint(resolve_model(spec.model or ""))
+    except ModelLoadError as e:
+        raise ConfigError(f"--speculative-config model: {e}") from None
+
+
+def _load_draft(spec: SpeculativeConfig, target: ModelConfig, block_size: int, max_model_len: int,
+                dtype: torch.dtype, device: torch.device, attention: str) -> LlamaForCausalLM:
+    from ferrylm.model.attention import AttentionSpec, select_backend
+    from ferrylm.model.attention.cpu import cpu_fused_ops
+    from ferrylm.model.loader import load_model
+
+    checkpoint = _draft_checkpoint(spec)
+    config = checkpoint.config
+    if config.vocab_size != target.vocab_size:
+        raise ConfigError(f"--speculative-config model {spec.model!r} has a vocabulary of {config.vocab_size} tokens, "
+                          f"the target {target.vocab_size}: a draft model must share the target's tokenizer")
+    backend = select_backend(AttentionSpec.for_model(config, block_size, dtype, device), attention)
+    model = load_model(checkpoint, dtype, device, backend, max_model_len, cpu_fused_ops(device))
+    log.info("draft model %s loaded: %d layers, hidden size %d", spec.model, config.num_layers, config.hidden_size)
+    return model
