@@ -37,7 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "under $FERRYLM_CACHE_DIR) and no CUDA graphs")
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' (prompt_lookup_min, disable_by_batch_size optional)')
+                        '"prompt_lookup_max": 4}\' (prompt_lookup_min, disable_by_batch_size optional); '
+                        '"draft_model" with "model" (same vocabulary); "layer_skip" with "num_layers"')
 
 
 def _speculative_config(value: str):
@@ -178,6 +179,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ferrylm.server.launcher import run_server
 
     engine_config = engine_config_from_args(args)
+    if engine_config.speculative is not None:  # a draft that cannot work with the model: a usage error now
+        from ferrylm.config import ConfigError
+        from ferrylm.model.draft_setup import check_startup
+
+        try:
+            check_startup(engine_config.speculative, engine_config.model)
+        except ConfigError as e:
+            print(f"ferrylm serve: {e}", file=sys.stderr)
+            return 2
     config = ServerConfig(
         served_model_names=tuple(args.served_model_name or [args.model]), host=args.host, port=args.port,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,

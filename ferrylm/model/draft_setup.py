@@ -34,17 +34,41 @@ def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, target_con
     """The ModelProposer for layer_skip / draft_model over `num_blocks` pool blocks; None for ngram."""
     if spec.method == "ngram":
         return None
+    check_against_target(spec, target_config)
     k, max_batch = spec.num_speculative_tokens, max_spec_batch(spec)
     if spec.method == "layer_skip":
-        layers = spec.num_layers or 0
-        if layers >= target_config.num_layers:
-            raise ConfigError(f"--speculative-config num_layers {layers} must be below the target's "
-                              f"{target_config.num_layers} layers (layer_skip drafts with a prefix of them)")
-        return ModelProposer(target, layers, k, num_blocks, block_size, max_batch, max_model_len, eos_token_ids,
-                             dtype, device)
-    draft = _load_draft(spec, target_config, block_size, max_model_len, dtype, device, attention)
+        return ModelProposer(target, spec.num_layers or 0, k, num_blocks, block_size, max_batch, max_model_len,
+                             eos_token_ids, dtype, device)
+    draft = _load_draft(spec, block_size, max_model_len, dtype, device, attention)
     return ModelProposer(draft, draft.config.num_layers, k, num_blocks, block_size, max_batch, max_model_len,
                          eos_token_ids, dtype, device)
+
+
+def check_against_target(spec: SpeculativeConfig, target: ModelConfig) -> None:
+    """What only the target can tell: layer_skip keeps fewer layers than it has, a draft model exists
+    and shares its vocabulary. Reads configs only (the CLI calls it before any weights load)."""
+    if spec.method == "layer_skip" and (spec.num_layers or 0) >= target.num_layers:
+        raise ConfigError(f"--speculative-config num_layers {spec.num_layers} must be below the target's "
+                          f"{target.num_layers} layers (layer_skip drafts with a prefix of them)")
+    if spec.method == "draft_model":
+        draft = _draft_checkpoint(spec).config
+        if draft.vocab_size != target.vocab_size:
+            raise ConfigError(f"--speculative-config model {spec.model!r} has a vocabulary of {draft.vocab_size} "
+                              f"tokens, the target {target.vocab_size}: a draft model must share the target's "
+                              "tokenizer")
+
+
+def check_startup(spec: SpeculativeConfig, model: str) -> None:
+    """check_against_target for `model` (the target's alias or path); a target that does not resolve
+    is left to the engine's own load error."""
+    from ferrylm.model.loader import Checkpoint
+    from ferrylm.model.model_source import ModelLoadError, resolve_model
+
+    try:
+        target = Checkpoint(resolve_model(model)).config
+    except ModelLoadError:
+        return
+    check_against_target(spec, target)
 
 
 def _draft_checkpoint(spec: SpeculativeConfig):
@@ -58,17 +82,14 @@ def _draft_checkpoint(spec: SpeculativeConfig):
         raise ConfigError(f"--speculative-config model: {e}") from None
 
 
-def _load_draft(spec: SpeculativeConfig, target: ModelConfig, block_size: int, max_model_len: int,
-                dtype: torch.dtype, device: torch.device, attention: str) -> LlamaForCausalLM:
+def _load_draft(spec: SpeculativeConfig, block_size: int, max_model_len: int, dtype: torch.dtype,
+                device: torch.device, attention: str) -> LlamaForCausalLM:
     from ferrylm.model.attention import AttentionSpec, select_backend
     from ferrylm.model.attention.cpu import cpu_fused_ops
     from ferrylm.model.loader import load_model
 
     checkpoint = _draft_checkpoint(spec)
     config = checkpoint.config
-    if config.vocab_size != target.vocab_size:
-        raise ConfigError(f"--speculative-config model {spec.model!r} has a vocabulary of {config.vocab_size} tokens, "
-                          f"the target {target.vocab_size}: a draft model must share the target's tokenizer")
     backend = select_backend(AttentionSpec.for_model(config, block_size, dtype, device), attention)
     model = load_model(checkpoint, dtype, device, backend, max_model_len, cpu_fused_ops(device))
     log.info("draft model %s loaded: %d layers, hidden size %d", spec.model, config.num_layers, config.hidden_size)

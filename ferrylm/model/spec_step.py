@@ -83,7 +83,8 @@ class Speculator:
         if self.model_proposer is not None:
             self.model_proposer.forget(request_id)
 
-    def propose(self, items: Sequence[ScheduledRequest], states: dict[str, SamplingRequestState]) -> dict[str, list[int]]:
+    def propose(self, items: Sequence[ScheduledRequest],
+                states: dict[str, SamplingRequestState]) -> dict[str, list[int]]:
         """Drafts for the next step for the requests sampled in this one (`items`), for those that can
         be verified exactly here: no grammar (its matcher cannot roll back yet) and no logprobs; none
         when the batch is large."""

@@ -1,6 +1,6 @@
 """`ferrylm serve --speculative-config` end to end: greedy chat through the official client equals
 plain decoding, streamed and not, the spec_decode counters move on /metrics, and a bad config is a
-clear error at start-up (before any model load)."""
+clear error at start-up (before any weights load)."""
 
 from __future__ import annotations
 
@@ -58,10 +58,25 @@ def test_greedy_chat_equals_plain_decoding_and_counts_drafts(spec_server, llm_fp
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown keys"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}', "not implemented"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "not implemented"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent/draft"}', "no such model"),
+    ('{"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 30}', "must be below the target's 30"),
     ("not json", "not valid JSON"),
 ])
 def test_bad_speculative_config_is_a_start_up_error(config, message):
     done = subprocess.run([sys.executable, "-m", "ferrylm.cli", "serve", "--speculative-config", config],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_a_draft_model_with_another_vocabulary_is_a_start_up_error(tmp_path):
+    from tests.gpu.random_model import model_config
+    from tests.model.draft_models import write_random
+
+    path = write_random(model_config("tiny"), tmp_path / "tiny-draft")
+    config = json.dumps({"method": "draft_model", "num_speculative_tokens": 2, "model": str(path)})
+    done = subprocess.run([sys.executable, "-m", "ferrylm.cli", "serve", "--speculative-config", config],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "vocabulary of 320 tokens, the target 49152" in done.stderr
