@@ -124,7 +124,7 @@ def main() -> None:
     rows = [compare("single stream, input-grounded", plain, spec, grounded, params, args.rounds, True),
             compare("single stream, open-ended chat", plain, spec, open_ended, params, args.rounds, True)]
     forced = SpeculativeConfig.parse(config | {"disable_by_batch_size": 4096})
-    default = spec.engine.runner.speculative
+    default = spec.engine.runner.speculator.config if spec.engine.runner.speculator is not None else None
     spec.engine.runner.set_speculative(forced)
     for b in (int(x) for x in args.batch_sizes.split(",")):
         batch = (grounded * b)[:b]

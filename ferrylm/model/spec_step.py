@@ -5,6 +5,7 @@ engine/scheduler.py."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -21,7 +22,10 @@ from ferrylm.model.sampler import (
     sampling_probs,
 )
 from ferrylm.model.speculative import DraftBackoff, NgramProposer, rejection_sample, verify_greedy
+from ferrylm.model.structured_output import mask_draft_rows
 from ferrylm.scheduler_output import ScheduledRequest
+
+log = logging.getLogger("ferrylm.runner")
 
 # Steps with more sampled sequences than this propose no drafts (--speculative-config
 # disable_by_batch_size overrides): past it, verifying costs more than it saves (bench/speculative.py).
@@ -86,8 +90,9 @@ class Speculator:
     def propose(self, items: Sequence[ScheduledRequest],
                 states: dict[str, SamplingRequestState]) -> dict[str, list[int]]:
         """Drafts for the next step for the requests sampled in this one (`items`), for those that can
-        be verified exactly here: no grammar (its matcher cannot roll back yet) and no logprobs; none
-        when the batch is large."""
+        be verified exactly here: not those asking for logprobs (no per-position logprobs yet); none
+        when the batch is large. Guided requests are drafted for: verification masks each position
+        with the grammar (a guess it refuses is rejected)."""
         for item in items:
             self.pending.pop(item.request_id, None)
         if len(items) > self.max_batch:
@@ -95,7 +100,7 @@ class Speculator:
         eligible = []
         for item in items:
             state = states[item.request_id]
-            if state.grammar is not None or state.params.logprobs is not None:
+            if state.params.logprobs is not None:
                 continue
             if self.backoff.setdefault(item.request_id, DraftBackoff()).allows():
                 eligible.append(item)
@@ -119,19 +124,19 @@ class Speculator:
         the longest draft prefix equal to the argmax, sampled ones are rejection-sampled, all on the
         distribution a plain step would use at that position (penalties and min_tokens see the draft
         prefix as generated); each then takes one token of the target's own."""
+        drafts, logits = _grammar_masked(logits, items, states)
         virtual = []  # one sampling row per draft position: its prefix as if already generated
-        for item in items:
+        for item, draft in zip(items, drafts):
             state = states[item.request_id]
             virtual += [SamplingRequestState(state.params, state.prompt_token_ids,
-                                             state.output_token_ids + list(item.draft_token_ids[:j]))
-                        for j in range(1 + len(item.draft_token_ids))]
+                                             state.output_token_ids + draft[:j]) for j in range(1 + len(draft))]
         sampling = SamplingBatch.build(virtual, self.vocab_size, self.eos_token_ids, self.device)
         processed = processed_logits(logits, sampling)
         probs = None if sampling.all_greedy else sampling_probs(processed, sampling)
         sampled, accepted = {}, {}
         offset = 0
-        for item in items:
-            rid, draft = item.request_id, list(item.draft_token_ids)
+        for item, draft in zip(items, drafts):
+            rid = item.request_id
             state, n = states[rid], 1 + len(draft)
             if state.params.greedy:
                 verified = verify_greedy(processed[offset:offset + n].unsqueeze(0), [draft])
@@ -146,7 +151,12 @@ class Speculator:
             tokens = verified.tokens[0]
             state.output_token_ids.extend(tokens)
             sampled[rid], accepted[rid] = tokens[-1], tokens[:-1]
-            self.backoff.setdefault(rid, DraftBackoff()).record(len(draft), verified.num_accepted[0])
+            if state.grammar is not None:
+                for token in tokens:
+                    if not state.grammar.accept_token(token):
+                        log.warning("request %s: token %d rejected by its grammar", rid, token)
+                        break
+            self.backoff.setdefault(rid, DraftBackoff()).record(len(item.draft_token_ids), verified.num_accepted[0])
         return Verification(sampled, accepted)
 
 
@@ -159,6 +169,25 @@ class Speculator:
         if pending is None or pending.probs is None or pending.token_ids[:len(draft)] != draft:
             raise RuntimeError(f"request {request_id}: the draft to verify is not the one proposed")
         return pending.probs[:len(draft)].unsqueeze(0)
+
+
+def _grammar_masked(logits: torch.Tensor, items: Sequence[ScheduledRequest],
+                    states: dict[str, SamplingRequestState]) -> tuple[list[list[int]], torch.Tensor]:
+    """Each item's draft as verified, and its logits rows: a guided request's rows masked by its
+    grammar after each draft prefix, its draft cut at the first guess the grammar refuses or ends
+    on (structured_output.mask_draft_rows); the rows past a cut are dropped."""
+    drafts, keep = [], []
+    offset = 0
+    for item in items:
+        draft, grammar = list(item.draft_token_ids), states[item.request_id].grammar
+        if grammar is not None:
+            draft = draft[:mask_draft_rows(logits, offset, grammar, draft)]
+        drafts.append(draft)
+        keep += range(offset, offset + 1 + len(draft))
+        offset += 1 + len(item.draft_token_ids)
+    if len(keep) != logits.shape[0]:
+        logits = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
+    return drafts, logits
 
 
 def max_spec_batch(config: SpeculativeConfig) -> int:

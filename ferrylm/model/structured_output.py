@@ -174,3 +174,29 @@ def apply_grammar_masks(logits: Any, rows: list[int], matchers: list[Any]) -> No
     for row, matcher in zip(rows, matchers):
         matcher.fill_next_token_bitmask(bitmask, row)
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+def mask_draft_rows(logits: Any, first_row: int, matcher: Any, draft: list[int]) -> int:
+    """Speculative verification of a guided request: row first_row + j of `logits` is masked, in place,
+    with the grammar's state after draft[:j]. The walk stops at the first guess the grammar refuses
+    (the target rejects it anyway) or at one that ends the grammar (nothing may follow it); the
+    matcher is rolled back to where it was. Returns how many guesses stay: rows first_row ..
+    first_row + that many are masked, the later ones are not to be used."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(draft) + 1, logits.shape[1])
+    usable = steps = 0
+    for j in range(len(draft) + 1):
+        matcher.fill_next_token_bitmask(bitmask, j)
+        if j == len(draft):
+            break
+        ok = matcher.accept_token(draft[j])
+        steps += int(ok)
+        if not ok or matcher.is_terminated():
+            break
+        usable = j + 1
+    if steps:
+        matcher.rollback(steps)
+    rows = logits[first_row:first_row + usable + 1]
+    xgrammar.apply_token_bitmask_inplace(rows, bitmask[:usable + 1].to(logits.device, non_blocking=True))
+    return usable

@@ -176,3 +176,50 @@ def test_sampled_output_distribution_is_unchanged_by_speculation():
     df = torch.tensor(float(cells.sum() - 1), dtype=torch.double)
     assert df >= 3, "the test needs a spread-out distribution"
     assert float(torch.special.gammaincc(df / 2, stat / 2)) > 1e-3
+
+
+@requires_smollm2
+def test_guided_requests_speculate_and_keep_their_output(llm_fp32):
+    """Structured output with drafts: each draft position is masked with the grammar after the guesses
+    before it (the matcher rolled back after), a guess the grammar refuses ends the draft; the output
+    equals plain guided decoding and is valid (the masking itself: the test after this one)."""
+    import json
+
+    from ferrylm.sampling_params import StructuredOutputsParams as Spec
+
+    items = ["apple", "banana", "cherry", "date", "elderberry", "fig", "grape"]
+    schema = {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}}},
+              "required": ["fruits"]}
+    questions = [f"Return this list as JSON with the key fruits: {', '.join(items)}.",
+                 "Count from 1 to 30, separated by commas."]
+    prompts = chat_prompt_ids(llm_fp32, questions)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=Spec(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=50, structured_outputs=Spec(regex=r"(\d+, ){5,40}\d+"))]
+    plain, _ = _run(llm_fp32, prompts, params)
+    with speculating(llm_fp32):
+        spec, engine = _run(llm_fp32, prompts, params)
+    assert spec == plain
+    assert engine.stats().spec_decode_num_accepted_tokens > 10
+    text = llm_fp32.get_tokenizer().decode(spec[0])
+    assert isinstance(json.loads(text)["fruits"], list)
+
+
+@requires_smollm2
+def test_draft_rows_are_masked_by_the_grammar_after_each_guess(llm_fp32):
+    """mask_draft_rows: row j allows what the grammar allows after the first j guesses, the draft is
+    cut at the first guess the grammar refuses, and the matcher ends where it started."""
+    from ferrylm.model.structured_output import mask_draft_rows, new_matcher
+    from ferrylm.sampling_params import StructuredOutputsParams as Spec
+
+    tok = llm_fp32.get_tokenizer()
+    matcher = new_matcher(llm_fp32.engine.grammars.submit(Spec(regex=r"ab(c|d)[0-9]")))
+    a, b, c, d, x = (tok.encode(s, add_special_tokens=False)[0] for s in "abcdx")
+    vocab = llm_fp32.engine.vocab_size
+    logits = torch.zeros(4, vocab)
+    assert mask_draft_rows(logits, 0, matcher, [a, b, x]) == 2  # x refused: rows 0..2 used
+    allowed = [set(torch.nonzero(row == 0).flatten().tolist()) for row in logits[:3]]
+    assert a in allowed[0] and not {b, c, x} & allowed[0]
+    assert b in allowed[1] and not {a, c, x} & allowed[1]
+    assert {c, d} <= allowed[2] and not {a, b, x} & allowed[2]
+    assert bool((logits[3] == 0).all())  # past the cut: untouched
+    assert matcher.accept_token(a) and not matcher.accept_token(x)  # rolled back to the start
