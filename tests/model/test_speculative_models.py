@@ -48,17 +48,17 @@ def _methods(draft_path: str) -> list[SpeculativeConfig]:
 
 @requires_smollm2
 def test_greedy_with_model_drafts_equals_plain_decoding(llm_fp32, smol_draft):
-    prompts = chat_prompt_ids(llm_fp32, GROUNDED + SIXTEEN_PROMPTS[:4])
+    prompts = chat_prompt_ids(llm_fp32, GROUNDED[:3] + SIXTEEN_PROMPTS[:3])
     shared = prompts[1] * 3  # the second of the pair is admitted on a prefix hit
     batch = prompts + [shared + [28], shared + [29]]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain, _ = _run(llm_fp32, batch, params, max_num_batched_tokens=64)
     for config in _methods(smol_draft):
         with speculating(llm_fp32, config):
             spec, engine = _run(llm_fp32, batch, params, max_num_batched_tokens=64)
         assert spec == plain, config.method
         stats = engine.stats()
-        assert stats.spec_decode_num_accepted_tokens > 20, (config.method, stats)
+        assert stats.spec_decode_num_accepted_tokens > 10, (config.method, stats)
         assert stats.prefix_cache_hits > 0
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

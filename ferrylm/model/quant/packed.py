@@ -14,16 +14,19 @@ from ferrylm.model.quant.layout import dequantize_packed
 
 # Which path multiplies M activation rows (measured on SmolLM2 shapes with bench/quant_matmul.py, on
 # this project's 2-core AVX-512 / AMX CPU):
-#   M <= SMALL_M, bf16/fp16 activations, AVX512-VNNI: x quantized to int8 per 32 elements and VNNI dot
+#   M <= VNNI_M, bf16/fp16 activations, AVX512-VNNI: x quantized to int8 per 32 elements and VNNI dot
 #       products (vnni_gemv.cpp, llama.cpp's arithmetic); fp32 activations, the exact path below, so a
-#       float32 model stays exact against its dequantized twin;
+#       float32 model stays exact against its dequantized twin. Only 1 row: at 2..4 rows the packed
+#       kernel below beat it on both machines measured (bench/RESULTS.md, packed paths: 7.1 vs 7.8 ms
+#       at 2 rows, 9.3 vs 13.1 at 4), which is what a decode step verifying a 1..5-token draft runs;
 #   M <= SMALL_M otherwise, or M <= FP32_KERNEL_M with fp32 activations: the packed kernel (exact
 #       fp32 weights, FMAs; it reads W once per 8 rows: with fp32 activations it beats unpacking
-#       fp32 panels for GEMM up to 32 rows, bench/packed_paths.py);
+#       fp32 panels for GEMM up to 32 rows, with bf16 ones AMX up to 6 rows, bench/packed_paths.py);
 #   M <= AMX_M, bf16 activations, AMX present: 32 rows of W at a time unpacked to bf16 in cache and
 #       multiplied on AMX tiles (faster than torch's bf16 GEMM there, and no bf16 weight in memory);
 #   otherwise: panels of W unpacked to the activation dtype into a reused buffer, torch's GEMM.
-SMALL_M = 4
+VNNI_M = 1
+SMALL_M = 6
 FP32_KERNEL_M = 32
 AMX_M = 64
 # Rows of W unpacked per GEMM call on the last path (lm_head whole would be 56 MB per call).
@@ -80,7 +83,7 @@ class PackedWeight(nn.Module):
             return F.linear(x, self.dequantize(x.dtype))
         m = x.shape[0]
         if m <= SMALL_M or (m <= FP32_KERNEL_M and x.dtype == torch.float32):
-            if m <= SMALL_M and self._vnni_ok(x):
+            if m <= VNNI_M and self._vnni_ok(x):
                 return self.kernels.quant_linear_vnni(x, self.codes, self.scales, self.mins, self.group, self.q4)
             return self.kernels.quant_linear(x, self.codes, self.scales, self.mins, self.group, self.q4)
         if m <= AMX_M and x.dtype == torch.bfloat16 and self.kernels.has_amx:

@@ -199,12 +199,14 @@ float dot_scalar(const Packed& w, const float* x, int64_t K, int64_t n) {
 template <typename T>
 inline void store(T* out, float v) { *out = static_cast<T>(v); }
 
-// Output rows [n0, n1) (n1 - n0 <= 16) for every activation row, in row blocks of 8, 4, 2, 1.
+// Output rows [n0, n1) (n1 - n0 <= 16) for every activation row, in row blocks of 8 and one block of
+// the 1..7 left: each block is one pass over W's codes (their dequantizing lookups are the cost a pass
+// repeats), so 3, 5, 6 or 7 rows (a decode row verifying a draft) take one pass, not 2 + 1 or 4 + 1.
 template <bool Q4, typename T>
 void rows(const Packed& w, const Acts& a, int64_t n0, int64_t n1, T* out, int64_t ldo) {
   alignas(64) float buf[8 * 16];
   for (int64_t m = 0; m < a.M;) {
-    const int64_t mb = a.M - m >= 8 ? 8 : a.M - m >= 4 ? 4 : a.M - m >= 2 ? 2 : 1;
+    const int64_t mb = std::min<int64_t>(8, a.M - m);
 #ifdef FERRY_SIMD
     auto run = [&](auto mb_tag, auto nb_tag) {
       constexpr int MB = decltype(mb_tag)::value, NB = decltype(nb_tag)::value;
@@ -222,10 +224,17 @@ void rows(const Packed& w, const Acts& a, int64_t n0, int64_t n1, T* out, int64_
     using I2 = std::integral_constant<int, 2>;
     using I4 = std::integral_constant<int, 4>;
     using I8 = std::integral_constant<int, 8>;
-    if (mb == 8) run(I8{}, I1{});
-    else if (mb == 4) run(I4{}, I2{});
-    else if (mb == 2) run(I2{}, I2{});
-    else run(I1{}, I4{});
+    // NB x MB x 2 accumulators (q4) stay within the 32 zmm registers
+    switch (mb) {
+      case 8: run(I8{}, I1{}); break;
+      case 7: run(std::integral_constant<int, 7>{}, I1{}); break;
+      case 6: run(std::integral_constant<int, 6>{}, I1{}); break;
+      case 5: run(std::integral_constant<int, 5>{}, I1{}); break;
+      case 4: run(I4{}, I2{}); break;
+      case 3: run(std::integral_constant<int, 3>{}, I2{}); break;
+      case 2: run(I2{}, I2{}); break;
+      default: run(I1{}, I4{}); break;
+    }
 #else
     for (int64_t i = 0; i < mb; ++i)
       for (int64_t n = n0; n < n1; ++n) buf[i * 16 + (n - n0)] = dot_scalar<Q4>(w, a.x + (m + i) * a.K, a.K, n);
