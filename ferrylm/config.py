@@ -187,10 +187,16 @@ class EngineConfig:
     quantization: str | None = None  # --quantization; None: GGUF kept packed where a kernel runs, else none
     enforce_eager: bool = False  # --enforce-eager: no compiled decode step (CPU) and no CUDA graphs
     speculative: SpeculativeConfig | None = None  # --speculative-config
+    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks holding a shard of every layer
 
     def __post_init__(self) -> None:
         if self.quantization is not None:
             QuantConfig.parse(self.quantization)  # a clear ConfigError before anything loads
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be an integer >= 1, not {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.method != "ngram":
+            raise ConfigError(f"--speculative-config method {self.speculative.method!r} with --tensor-parallel-size "
+                              "> 1 is not supported (ngram is)")
 
     @property
     def quant(self) -> QuantConfig | None:

@@ -50,6 +50,7 @@ class Engine:
         self.generation_tokens_total = 0
         self.grammars = grammars if grammars is not None else self._default_grammars(tokenizer)
         self._compiling: list[Request] = []  # requests whose grammar was not compiled when they arrived
+        self.tp_ranks: Any = None  # tp_worker.SpawnedRanks when this engine spawned tensor-parallel ranks
 
     def _default_grammars(self, tokenizer: Tokenizer) -> Any:
         from ferrylm.model.structured_output import GrammarCompiler  # imports no torch until used
@@ -59,22 +60,53 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        """Load the model, tokenizer and KV cache described by `config`."""
-        from ferrylm.model.device import resolve_device, resolve_dtype
-        from ferrylm.model.loader import Checkpoint
-        from ferrylm.model.model_source import resolve_model
-        from ferrylm.model.runner import ModelRunner
+        """Load the model, tokenizer and KV cache described by `config`; with tensor parallelism,
+        start (or, under torchrun, join) the other ranks first."""
+        from ferrylm.model.tp_worker import build_runner
 
-        source = resolve_model(config.model)
-        checkpoint = Checkpoint(source)
-        max_model_len = config.scheduler.max_model_len or checkpoint.config.max_position_embeddings
-        device = resolve_device(config.device)
-        runner = ModelRunner(checkpoint, config.cache, resolve_dtype(config.dtype, device), device, max_model_len,
-                             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                             enforce_eager=config.enforce_eager, quantization=config.quant,
-                             speculative=config.speculative)
-        tokenizer = Tokenizer.load(source, checkpoint.config.eos_token_ids)
-        return cls(config, runner, tokenizer, max_model_len)
+        group, ranks = None, None
+        if config.tensor_parallel_size > 1:
+            group, ranks = cls._join_tensor_parallel(config)
+        try:
+            runner, source, max_model_len = build_runner(config, group)
+        except BaseException:
+            if ranks is not None:
+                ranks.join(timeout=0)
+            raise
+        tokenizer = Tokenizer.load(source, runner.config.eos_token_ids)
+        engine = cls(config, runner, tokenizer, max_model_len)
+        engine.tp_ranks = ranks
+        return engine
+
+    @staticmethod
+    def _join_tensor_parallel(config: EngineConfig) -> tuple[Any, Any]:
+        """Rank 0's group, and the spawned ranks (None under torchrun, which started them)."""
+        from ferrylm.model.parallel import TPGroup
+        from ferrylm.model.tp_worker import Rendezvous, SpawnedRanks, from_torchrun
+
+        world = config.tensor_parallel_size
+        place = from_torchrun(world)
+        ranks = None
+        if place is None:
+            ranks = SpawnedRanks(config, world)
+            place = Rendezvous("127.0.0.1", ranks.port, 0, world)
+        elif place.rank != 0:
+            raise RuntimeError("only rank 0 builds the engine; the other ranks run tp_worker.worker_loop")
+        group = TPGroup(place.host, place.port, 0, world)
+        if ranks is not None:
+            group.peers_dead = ranks.dead
+        return group, ranks
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op without them)."""
+        if getattr(self, "tp_ranks", None) is not None or getattr(self.runner, "tp", None) is not None:
+            try:
+                self.runner.shutdown()
+            except RuntimeError:
+                pass  # a rank already gone
+        if getattr(self, "tp_ranks", None) is not None:
+            self.tp_ranks.join()
+            self.tp_ranks = None
 
     # -- requests ------------------------------------------------------------------------
     def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:

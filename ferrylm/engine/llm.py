@@ -24,16 +24,18 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30, num_gpu_blocks: int | None = None,
                  device: str = "cpu", seed: int = 0, quantization: str | None = None, enforce_eager: bool = False,
-                 kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None):
+                 kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
+                 tensor_parallel_size: int = 1):
         """`quantization`: vLLM's flag name; "none", "int8", "int4" (-g32/-g64/-g128/-g256: inputs per
         scale), "gguf" (keep a GGUF file's blocks packed) or "fp8" (CUDA). Unset: a GGUF model stays
         packed where a packed kernel runs (the CPU), anything else is unquantized.
         `kv_cache_dtype`: vLLM's too; "auto" (the model's dtype), "fp8" / "fp8_e4m3", "fp8_e5m2", "int8".
         `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4}
-        (config.SpeculativeConfig)."""
+        (config.SpeculativeConfig). `tensor_parallel_size`: vLLM's; ranks 1.. are spawned processes
+        (model/tp_worker.py) until `shutdown()`."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, quantization=quantization, enforce_eager=enforce_eager,
-            speculative=SpeculativeConfig.parse(speculative_config),
+            speculative=SpeculativeConfig.parse(speculative_config), tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(block_size=block_size, num_blocks=num_gpu_blocks, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -46,6 +48,10 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine, llm._ids = engine, itertools.count()
         return llm
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this LLM started (nothing to do without them)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -6,6 +6,8 @@ Q/K/V and gate/up projections are packed into one matmul each.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,8 +22,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantMethod | None = None):
+                 quant: QuantMethod | None = None, tp: Any = None):
         super().__init__()
+        self.tp = tp  # parallel.TPContext: o_proj is row-parallel, its partial sums all-reduced
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -42,28 +45,31 @@ class LlamaAttention(nn.Module):
         if not rotated:
             q, k = self.rotary(batch.positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        out = self.o_proj(o.reshape(-1, self.q_size))
+        return out if self.tp is None else self.tp.group.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant: QuantMethod | None = None):
+    def __init__(self, config: ModelConfig, quant: QuantMethod | None = None, tp: Any = None):
         super().__init__()
+        self.tp = tp  # down is row-parallel: partial sums all-reduced
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, quant=quant)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, quant=quant)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.group.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, fused_ops=None,
-                 quant: QuantMethod | None = None):
+                 quant: QuantMethod | None = None, tp: Any = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.self_attn = LlamaAttention(config, rotary, backend, quant)
+        self.self_attn = LlamaAttention(config, rotary, backend, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.mlp = LlamaMLP(config, quant)
+        self.mlp = LlamaMLP(config, quant, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +90,17 @@ class LlamaForCausalLM(nn.Module):
     `fused_ops`: optional CPU extension with in-place add+RMSNorm and packed RoPE (fewer op dispatches).
 
     `quant`: the QuantMethod of every decoder Linear; `lm_head_quant` that of the LM head (default: the
-    same). A tied embedding shares lm_head's weight: the same Parameter when lm_head is unquantized,
+    same). `tp`: a parallel.TPContext when the model is one rank's shard (`config` then has the rank's
+    heads, intermediate columns and vocabulary rows): lookups and logits span the whole vocabulary. A tied embedding shares lm_head's weight: the same Parameter when lm_head is unquantized,
     else `embed_tokens` is None and lookups unpack lm_head's rows (no float table is kept).
     """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None,
-                 fused_ops=None, quant: QuantMethod | None = None, lm_head_quant: QuantMethod | None = None):
+                 fused_ops=None, quant: QuantMethod | None = None, lm_head_quant: QuantMethod | None = None,
+                 tp: Any = None):
         super().__init__()
         self.config = config
+        self.tp = tp
         self.attn_backend = backend  # shared by every layer; prepare(batch) once per forward
         positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling_dict,
@@ -101,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         if not (config.tie_word_embeddings and not isinstance(head_quant, UnquantizedMethod)):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops, quant)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops, quant, tp)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, quant=head_quant)
@@ -120,6 +129,11 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] → [T, hidden] in the model dtype."""
+        if self.tp is not None:
+            return self.tp.embed(self._embed_local, input_ids)
+        return self._embed_local(input_ids)
+
+    def _embed_local(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             return self.embed_tokens(input_ids)
         return self.lm_head.quant.embed(self.lm_head, input_ids, self.norm.weight.dtype)
@@ -141,5 +155,6 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] → [N, vocab] float32 logits."""
-        return self.lm_head(hidden).float()
+        """[N, hidden] → [N, vocab] float32 logits (gathered from every rank's vocabulary slice)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)

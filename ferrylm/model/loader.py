@@ -103,7 +103,7 @@ def _check_shape(origin: str, ckpt_name: str, got: tuple[int, ...], expected: tu
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                max_positions: int | None = None, fused_ops=None,
-               quantization: QuantConfig | None = None) -> LlamaForCausalLM:
+               quantization: QuantConfig | None = None, tp=None) -> LlamaForCausalLM:
     """Allocate on the meta device, materialise in `dtype` on `device`, fill from the checkpoint, then let
     each Linear's QuantMethod (chosen from `quantization`, see quant.select_quant_method) process it."""
     config = checkpoint.config
@@ -111,7 +111,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     method = select_quant_method(quantization, kind, device, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, fused_ops, quant=method,
-                                 lm_head_quant=method.lm_head_method())
+                                 lm_head_quant=method.lm_head_method(), tp=tp)
     model = model.to(dtype).to_empty(device=device)  # dtype cast on meta is free
     model.tie_weights()
     model.rotary.build_table(device)

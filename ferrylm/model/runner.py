@@ -18,6 +18,7 @@ from ferrylm.model.cuda_graphs import CudaGraphRunner
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
+from ferrylm.model.parallel import ShardedCheckpoint, TPContext, TPGroup
 from ferrylm.model.prompt_logprobs import PromptLogprob
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
 from ferrylm.model.spec_step import Speculator, build_batch, split_rows
@@ -63,19 +64,27 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, cache_config: CacheConfig, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto",
-                 quantization: QuantConfig | None = None, speculative: SpeculativeConfig | None = None):
-        self.config: ModelConfig = checkpoint.config
+                 quantization: QuantConfig | None = None, speculative: SpeculativeConfig | None = None,
+                 tp: TPGroup | None = None):
+        self.config: ModelConfig = checkpoint.config  # the whole model's (vocabulary, layers, EOS)
+        self.tp = None if tp is None else TPContext.build(tp, checkpoint.config)
+        load_from = checkpoint if self.tp is None else ShardedCheckpoint(checkpoint, self.tp.shard)
+        self.local_config: ModelConfig = load_from.config  # this rank's heads and widths (all of them without TP)
+        enforce_eager = enforce_eager or self.tp is not None  # collectives are not captured into graphs
         self.device, self.dtype = device, dtype
         self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
+        if self.tp is not None and self.cpu_threads is not None:  # the ranks share this machine's cores
+            self.cpu_threads = max(1, self.cpu_threads // self.tp.group.world)
+            torch.set_num_threads(self.cpu_threads)
         self.block_size = cache_config.block_size
         self.cache_dtype = cache_config.cache_dtype
-        spec = AttentionSpec.for_model(self.config, self.block_size, dtype, device)
+        spec = AttentionSpec.for_model(self.local_config, self.block_size, dtype, device)
         self.attn_backend = select_backend(spec, attention)
         if self.cache_dtype != "auto" and not getattr(self.attn_backend, "supports_quantized_kv", False):
             raise ConfigError(f"--kv-cache-dtype {self.cache_dtype} is not supported by the "
                               f"{type(self.attn_backend).__name__} attention backend; use --kv-cache-dtype auto")
-        self.model: LlamaForCausalLM = load_model(checkpoint, dtype, device, self.attn_backend, max_model_len,
-                                                   cpu_fused_ops(device), quantization)
+        self.model: LlamaForCausalLM = load_model(load_from, dtype, device, self.attn_backend, max_model_len,
+                                                   cpu_fused_ops(device), quantization, self.tp)
         self.max_model_len, self.attention_kind = max_model_len, attention
         draft_bytes = draft_setup.kv_bytes_per_block(speculative, self.config, self.block_size, dtype)
         self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens,
@@ -101,6 +110,9 @@ class ModelRunner:
         """Propose drafts from the next step on (None: stop). Requests under way keep their sampling
         state; a draft model or layer_skip proposer is built here (a draft model is loaded)."""
         self.speculator = None
+        if speculative is not None and self.tp is not None and speculative.method != "ngram":
+            raise ConfigError(f"--speculative-config method {speculative.method!r} with --tensor-parallel-size > 1 "
+                              "is not supported (ngram is)")
         if speculative is not None:
             proposer = draft_setup.build_proposer(speculative, self.model, self.config, self.num_blocks,
                                                   self.block_size, self.max_model_len, self.dtype, self.device,
@@ -139,14 +151,42 @@ class ModelRunner:
         return max(1, budget // per_block)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        """Per layer (k_cache, v_cache); quantized ones carry their scales after the codes (kv_quant.py)."""
-        shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        """Per layer (k_cache, v_cache) of this rank's KV heads; quantized ones carry their scales after
+        the codes (kv_quant.py). Every rank has the same number of blocks: the pool is sized from the
+        whole model's per-block bytes, the same on every rank."""
+        shape = (num_blocks, self.block_size, self.local_config.num_kv_heads, self.local_config.head_dim)
         dtype = kv_quant.storage_dtype(self.cache_dtype, self.dtype)
         return [(kv_quant.allocate(shape, dtype, self.device), kv_quant.allocate(shape, dtype, self.device))
                 for _ in range(self.config.num_layers)]
 
     @torch.inference_mode()
+    def execute_shard(self, output: SchedulerOutput) -> None:
+        """A non-zero tensor-parallel rank's step: the forward and logits collectives of rank 0's
+        execute() on the same batch, nothing sampled (rank 0 samples, verifies and proposes)."""
+        for rid in output.finished_ids:
+            self.states.pop(rid, None)
+        for new in output.new_requests:
+            self.states[new.request_id] = SamplingRequestState(new.sampling_params, new.prompt_token_ids)
+        if not output.scheduled:
+            return
+        batch = build_batch(output.scheduled, self.block_size, self.device)
+        plans = prompt_logprobs.plan(output.scheduled, self.states)
+        if plans:
+            hidden = self._forward(batch)
+            self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+            prompt_logprobs.compute(self.model.compute_logits, hidden, plans)
+        else:
+            self._logits(batch, len(batch.logits_indices))
+
+    def shutdown(self) -> None:
+        """Tensor parallel: tell the other ranks to exit (rank 0; the engine's close)."""
+        if self.tp is not None and self.tp.group.rank == 0:
+            self.tp.group.broadcast_object(None)
+
+    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        if self.tp is not None:  # the other ranks run the same forward (tp_worker.py)
+            self.tp.group.broadcast_object(output)
         for rid in output.finished_ids:
             self.states.pop(rid, None)
             if self.speculator is not None:

@@ -39,3 +39,17 @@ def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, *
                 p.normal_(0, 0.5)
     model.save_pretrained(directory, safe_serialization=True, **({"max_shard_size": shard_size} if shard_size else {}))
     return directory
+
+
+def add_word_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
+    """A word-level tokenizer.json (token i is "t{i}", whitespace-split) saved beside a tiny model, so
+    an Engine or `ferrylm serve` can load the directory (transformers' fast tokenizer, no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
+        str(directory))
+    return directory

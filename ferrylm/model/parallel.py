@@ -1,0 +1,190 @@
+"""Tensor parallelism on torch.distributed (gloo on CPU; the same calls run over NCCL on CUDA).
+
+Megatron's layout: QKV and gate/up are column-parallel (each rank holds some heads and some
+intermediate columns), o_proj and down are row-parallel (each rank multiplies its slice of the
+inputs, then an all-reduce sums the partial outputs), the embedding and the LM head are split by
+vocabulary (a lookup is masked to the rank's ids then all-reduced; logits are all-gathered).
+KV heads are split across ranks with their query heads; with more ranks than KV heads each KV head
+is replicated on world / num_kv_heads ranks, which split its query heads (as vLLM does). Splits
+need not be even (SmolLM2's 9 query heads in 3 KV groups over 2 ranks: 6 and 3).
+
+The group is a ProcessGroupGloo over a TCPStore owned by the engine, not torch.distributed's
+process-wide default group, so an engine can be built and torn down more than once in a process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ferrylm.config import ConfigError, ModelConfig
+
+TIMEOUT = datetime.timedelta(seconds=120)  # a collective a peer never joins (a dead rank) fails after this
+
+
+def _split(n: int, parts: int, index: int) -> range:
+    """The index-th of `parts` near-equal consecutive ranges of range(n) (the first ones larger)."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What rank `rank` of `world` holds, as ranges of global indices."""
+
+    rank: int
+    world: int
+    q_heads: range
+    kv_heads: range
+    intermediate: range
+    vocab: range
+
+
+def shard_plan(config: ModelConfig, rank: int, world: int) -> TPShard:
+    """Heads, intermediate columns and vocabulary rows of one rank; a ConfigError when the model
+    cannot be split that many ways."""
+    heads, kv = config.num_heads, config.num_kv_heads
+    group = heads // kv
+    if world <= kv:
+        kv_heads = _split(kv, world, rank)
+        q_heads = range(kv_heads.start * group, kv_heads.stop * group)
+    else:
+        if world % kv:
+            raise ConfigError(f"--tensor-parallel-size {world} must divide or be a multiple of the model's {kv} "
+                              "KV heads")
+        reps = world // kv
+        if reps > group:
+            raise ConfigError(f"--tensor-parallel-size {world} leaves a rank without query heads "
+                              f"({heads} query heads, {kv} KV heads)")
+        kv_head = rank // reps
+        kv_heads = range(kv_head, kv_head + 1)
+        own = _split(group, reps, rank % reps)
+        q_heads = range(kv_head * group + own.start, kv_head * group + own.stop)
+    if world > config.intermediate_size or world > config.vocab_size:
+        raise ConfigError(f"--tensor-parallel-size {world} is larger than the model's layers can be split")
+    return TPShard(rank, world, q_heads, kv_heads, _split(config.intermediate_size, world, rank),
+                   _split(config.vocab_size, world, rank))
+
+
+def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
+    """The shapes of one rank's model: its heads, intermediate columns and vocabulary rows."""
+    return replace(config, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads),
+                   intermediate_size=len(shard.intermediate), vocab_size=len(shard.vocab))
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TPShard) -> torch.Tensor:
+    """This rank's slice of the checkpoint tensor `name` (HF names; float tensors)."""
+    d = config.head_dim
+    q = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
+    kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
+    inter = slice(shard.intermediate.start, shard.intermediate.stop)
+    vocab = slice(shard.vocab.start, shard.vocab.stop)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter,
+            "embed_tokens": vocab, "lm_head": vocab}
+    cols = {"o_proj": q, "down_proj": inter}
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module in rows:
+        return tensor[rows[module]]
+    if module in cols and parts[-1] == "weight":
+        return tensor[:, cols[module]]
+    return tensor  # norms (and an o_proj / down bias, which no supported architecture has)
+
+
+class ShardedCheckpoint:
+    """Quacks like loader.Checkpoint for one rank: the local config and its slices of every weight,
+    dequantized to float first (GGUF blocks are not sliced packed here: the rank holds float weights,
+    or re-quantizes them with --quantization int8 / int4)."""
+
+    def __init__(self, checkpoint: Any, shard: TPShard):
+        self.full_config: ModelConfig = checkpoint.config
+        self.config = local_config(checkpoint.config, shard)
+        self.shard, self._checkpoint = shard, checkpoint
+        self.source = SimpleNamespace(kind="hf", path=f"{checkpoint.source.path} (tensor-parallel rank "
+                                                     f"{shard.rank} of {shard.world})")
+
+    def weights(self):
+        for name, tensor in self._checkpoint.weights():
+            t = tensor if isinstance(tensor, torch.Tensor) else tensor.to_float()
+            yield name, shard_tensor(name, t.float(), self.full_config, self.shard).contiguous()
+
+
+class TPGroup:
+    """One rank's side of the group: the collectives the model calls, and the per-step broadcast of
+    the scheduler's decision (rank 0 sends; the others run the same forward)."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout: datetime.timedelta = TIMEOUT):
+        self.rank, self.world = rank, world
+        self.peers_dead: Any = None  # rank 0: a callable naming a rank that exited (tp_worker.SpawnedRanks.dead)
+        self.store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
+        self.pg = dist.ProcessGroupGloo(self.store, rank, world, timeout)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (gloo reduces float32; other dtypes go through a float32 copy)."""
+        if x.dtype == torch.float32 and x.is_contiguous():
+            self.pg.allreduce([x]).wait()
+            return x
+        buf = x.float().contiguous()
+        self.pg.allreduce([buf]).wait()
+        x.copy_(buf)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """[N, sizes[rank]] on each rank → [N, sum(sizes)], ranks' columns in order (padded to the
+        largest size for the collective)."""
+        width = max(sizes)
+        local = torch.zeros(x.shape[0], width, dtype=torch.float32)
+        local[:, :x.shape[1]] = x
+        outs = [torch.empty_like(local) for _ in range(self.world)]
+        self.pg.allgather([outs], [local]).wait()
+        return torch.cat([o[:, :n] for o, n in zip(outs, sizes)], dim=1).to(x.dtype)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (pickled; a size, then the bytes). Rank 0 first checks that its
+        spawned ranks still run: a dead one is a clear error now, not a collective that times out."""
+        if self.rank == 0 and self.peers_dead is not None:
+            dead = self.peers_dead()
+            if dead:
+                raise RuntimeError(f"{dead}; the engine cannot continue without it")
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.pg.broadcast(size, 0).wait()
+        if self.rank != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.pg.broadcast(data, 0).wait()
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+@dataclass
+class TPContext:
+    """What a rank's model needs: the group, its shard, and every rank's vocabulary slice sizes."""
+
+    group: TPGroup
+    shard: TPShard
+    vocab_sizes: list[int]
+
+    @classmethod
+    def build(cls, group: TPGroup, config: ModelConfig) -> "TPContext":
+        return cls(group, shard_plan(config, group.rank, group.world),
+                   [len(shard_plan(config, r, group.world).vocab) for r in range(group.world)])
+
+    def embed(self, embed_local, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: this rank's rows for its ids, zeros elsewhere, summed over ranks."""
+        local = input_ids - self.shard.vocab.start
+        outside = (local < 0) | (local >= len(self.shard.vocab))
+        x = embed_local(local.masked_fill(outside, 0))
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.group.all_reduce(x)
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather_columns(local_logits, self.vocab_sizes)

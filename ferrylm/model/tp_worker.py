@@ -1,0 +1,126 @@
+"""Tensor-parallel ranks: building each rank's runner, and the loop of ranks 1..N-1.
+
+`ferrylm serve --tensor-parallel-size N` (and LLM(tensor_parallel_size=N)) spawns ranks 1..N-1 as
+processes on this machine; the engine process is rank 0. Under torchrun (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set) nothing is spawned: every process runs the same command, rank 0
+serves and the others run `worker_loop`. Each step rank 0 broadcasts the SchedulerOutput (ids
+only) and every rank runs the same forward; only rank 0 samples, so ranks never diverge. A rank
+that dies makes rank 0's next step raise (the engine then fails stop, /health answers 503).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from ferrylm.config import EngineConfig
+
+log = logging.getLogger("ferrylm.tp")
+
+
+class Rendezvous(NamedTuple):
+    host: str
+    port: int
+    rank: int
+    world: int
+
+
+def from_torchrun(world: int, environ: Mapping[str, str] | None = None) -> Rendezvous | None:
+    """This process's place when torchrun launched it for a world of `world` ranks, else None.
+    Our store listens on MASTER_PORT + 1 (torchrun's agent keeps MASTER_PORT)."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "MASTER_ADDR" not in env:
+        return None
+    if int(env.get("WORLD_SIZE", "1")) != world:
+        raise RuntimeError(f"torchrun started {env.get('WORLD_SIZE')} processes for --tensor-parallel-size {world}")
+    return Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1, int(env["RANK"]), world)
+
+
+def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, int]:
+    """(ModelRunner, ModelSource, max_model_len) of `config`, for one rank when `tp_group` is given."""
+    from ferrylm.model.device import resolve_device, resolve_dtype
+    from ferrylm.model.loader import Checkpoint
+    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.runner import ModelRunner
+
+    source = resolve_model(config.model)
+    checkpoint = Checkpoint(source)
+    max_model_len = config.scheduler.max_model_len or checkpoint.config.max_position_embeddings
+    device = resolve_device(config.device)
+    runner = ModelRunner(checkpoint, config.cache, resolve_dtype(config.dtype, device), device, max_model_len,
+                         config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                         enforce_eager=config.enforce_eager, quantization=config.quant,
+                         speculative=config.speculative, tp=tp_group)
+    return runner, source, max_model_len
+
+
+def worker_loop(config: EngineConfig, place: Rendezvous) -> None:
+    """Rank place.rank > 0: build the shard, then run every step rank 0 broadcasts until it says stop
+    (None) or goes away."""
+    from ferrylm.model.parallel import TPGroup
+
+    group = TPGroup(place.host, place.port, place.rank, place.world)
+    runner, _, _ = build_runner(config, group)
+    while True:
+        try:
+            output = group.broadcast_object()
+        except RuntimeError as e:  # rank 0 exited or died: nothing left to serve
+            log.info("tensor-parallel rank %d: rank 0 is gone (%s)", place.rank, str(e).splitlines()[0])
+            return
+        if output is None:
+            return
+        runner.execute_shard(output)
+
+
+class SpawnedRanks:
+    """Ranks 1..world-1 as child processes of this one (the engine is rank 0): `python -m
+    ferrylm.model.tp_worker`, the config pickled on stdin, so nothing re-runs the caller's __main__."""
+
+    def __init__(self, config: EngineConfig, world: int):
+        self.port = _free_port()
+        self.procs = []
+        for rank in range(1, world):
+            proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.tp_worker"], stdin=subprocess.PIPE)
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps((config, Rendezvous("127.0.0.1", self.port, rank, world))))
+            proc.stdin.close()
+            self.procs.append(proc)
+
+    def dead(self) -> str | None:
+        """A line naming the first rank that exited, or None while all run."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+        return None
+
+    def join(self, timeout: float = 10.0) -> None:
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    """A spawned rank: read (EngineConfig, Rendezvous) from stdin, serve steps until told to stop."""
+    config, place = pickle.loads(sys.stdin.buffer.read())
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{place.rank} %(name)s: %(message)s")
+    worker_loop(config, place)
+
+
+if __name__ == "__main__":
+    main()
