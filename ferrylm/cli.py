@@ -39,6 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' (prompt_lookup_min, disable_by_batch_size optional); '
                         '"draft_model" with "model" (same vocabulary); "layer_skip" with "num_layers"')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks holding a shard of every layer (torch.distributed; ranks 1.. are spawned here, or "
+                        "joined from torchrun: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)")
 
 
 def _speculative_config(value: str):
@@ -57,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         enforce_eager=args.enforce_eager, speculative=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype),
@@ -174,13 +178,24 @@ def gateway_config_from_args(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible HTTP server until SIGTERM (drained) or SIGINT."""
+    from ferrylm.config import ConfigError
     from ferrylm.engine.engine import Engine
     from ferrylm.server.config import ServerConfig
     from ferrylm.server.launcher import run_server
 
-    engine_config = engine_config_from_args(args)
+    try:
+        engine_config = engine_config_from_args(args)
+    except ConfigError as e:
+        print(f"ferrylm serve: {e}", file=sys.stderr)
+        return 2
+    if engine_config.tensor_parallel_size > 1:  # under torchrun, ranks 1.. serve rank 0's steps, not HTTP
+        from ferrylm.model.tp_worker import from_torchrun, worker_loop
+
+        place = from_torchrun(engine_config.tensor_parallel_size)
+        if place is not None and place.rank > 0:
+            worker_loop(engine_config, place)
+            return 0
     if engine_config.speculative is not None:  # a draft that cannot work with the model: a usage error now
-        from ferrylm.config import ConfigError
         from ferrylm.model.draft_setup import check_startup
 
         try:

@@ -108,6 +108,9 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        stop_ranks = getattr(self.engine, "shutdown", None)  # tensor-parallel ranks, if the engine has any
+        if stop_ranks is not None and (self._thread is None or not self._thread.is_alive()):
+            stop_ranks()
 
     @property
     def is_running(self) -> bool:
@@ -118,9 +121,14 @@ class AsyncEngine:
         return self.error is not None
 
     async def check_health(self) -> None:
-        """Raise EngineDeadError if the loop crashed or is not running."""
+        """Raise EngineDeadError if the loop crashed or is not running, or a tensor-parallel rank exited
+        (the engine could not run its next step)."""
         if not self.is_running:
             raise EngineDeadError(f"engine loop not running: {self.error!r}")
+        dead_rank = getattr(self.engine, "tp_dead", None)
+        reason = dead_rank() if dead_rank is not None else None
+        if reason:
+            raise EngineDeadError(reason)
 
     def seconds_since_heartbeat(self) -> float:
         return time.monotonic() - self.heartbeat

@@ -97,14 +97,18 @@ class Engine:
             group.peers_dead = ranks.dead
         return group, ranks
 
+    def tp_dead(self) -> str | None:
+        """A line naming a spawned tensor-parallel rank that exited, or None (also without TP)."""
+        return self.tp_ranks.dead() if self.tp_ranks is not None else None
+
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op without them)."""
-        if getattr(self, "tp_ranks", None) is not None or getattr(self.runner, "tp", None) is not None:
+        if getattr(self.runner, "tp", None) is not None:
             try:
                 self.runner.shutdown()
             except RuntimeError:
                 pass  # a rank already gone
-        if getattr(self, "tp_ranks", None) is not None:
+        if self.tp_ranks is not None:
             self.tp_ranks.join()
             self.tp_ranks = None
 

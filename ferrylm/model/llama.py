@@ -91,8 +91,9 @@ class LlamaForCausalLM(nn.Module):
 
     `quant`: the QuantMethod of every decoder Linear; `lm_head_quant` that of the LM head (default: the
     same). `tp`: a parallel.TPContext when the model is one rank's shard (`config` then has the rank's
-    heads, intermediate columns and vocabulary rows): lookups and logits span the whole vocabulary. A tied embedding shares lm_head's weight: the same Parameter when lm_head is unquantized,
-    else `embed_tokens` is None and lookups unpack lm_head's rows (no float table is kept).
+    heads, intermediate columns and vocabulary rows): lookups and logits span the whole vocabulary.
+    A tied embedding shares lm_head's weight: the same Parameter when lm_head is unquantized, else
+    `embed_tokens` is None and lookups unpack lm_head's rows (no float table is kept).
     """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None,
