@@ -121,14 +121,10 @@ class AsyncEngine:
         return self.error is not None
 
     async def check_health(self) -> None:
-        """Raise EngineDeadError if the loop crashed or is not running, or a tensor-parallel rank exited
-        (the engine could not run its next step)."""
+        """Raise EngineDeadError if the loop crashed (a tensor-parallel rank that exited crashes it) or
+        is not running."""
         if not self.is_running:
             raise EngineDeadError(f"engine loop not running: {self.error!r}")
-        dead_rank = getattr(self.engine, "tp_dead", None)
-        reason = dead_rank() if dead_rank is not None else None
-        if reason:
-            raise EngineDeadError(reason)
 
     def seconds_since_heartbeat(self) -> float:
         return time.monotonic() - self.heartbeat
@@ -253,6 +249,7 @@ class AsyncEngine:
                     time.sleep(self._stall_until - time.monotonic())
                     continue
                 if not self._commands and not self.engine.has_unfinished_requests():
+                    self._fail_if_a_rank_died()
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
@@ -270,6 +267,14 @@ class AsyncEngine:
                 command = self._commands.popleft()
                 if isinstance(command, _Add):
                     _resolve(command.loop, command.admitted, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _fail_if_a_rank_died(self) -> None:
+        """Idle, a tensor-parallel engine still checks its ranks: one that exited fails the loop now
+        (liveness turns 503), not at the next request."""
+        dead_rank = getattr(self.engine, "tp_dead", None)
+        reason = dead_rank() if dead_rank is not None else None
+        if reason:
+            raise RuntimeError(f"{reason}; the engine cannot continue without it")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
