@@ -5,22 +5,32 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _jiffies() -> tuple[int, int]:
-    """(busy jiffies of everything but this process, all jiffies) so far."""
+def _jiffies(exclude_pids: tuple[int, ...] = ()) -> tuple[int, int]:
+    """(busy jiffies of everything but this process and `exclude_pids`, all jiffies) so far."""
     machine = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:8]]
-    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(machine) - machine[3] - machine[4] - int(own[11]) - int(own[12]), sum(machine)
+    own = 0
+    for stat in ["/proc/self/stat", *(f"/proc/{pid}/stat" for pid in exclude_pids)]:
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        own += int(fields[11]) + int(fields[12])
+    return sum(machine) - machine[3] - machine[4] - own, sum(machine)
 
 
 class ForeignCpu:
-    """`with ForeignCpu() as cpu: ...` then `cpu.share`: the machine's CPU others used meanwhile."""
+    """`with ForeignCpu() as cpu: ...` then `cpu.share`: the machine's CPU others used meanwhile.
+    `exclude_pids`: processes of the measured run itself (tensor-parallel ranks)."""
 
     share: float = 0.0
 
+    def __init__(self, exclude_pids: list[int] | tuple[int, ...] = ()):
+        self.exclude_pids = tuple(exclude_pids)
+
     def __enter__(self) -> "ForeignCpu":
-        self._start = _jiffies()
+        self._start = _jiffies(self.exclude_pids)
         return self
 
     def __exit__(self, *exc) -> None:
-        foreign, total = (b - a for a, b in zip(self._start, _jiffies()))
+        foreign, total = (b - a for a, b in zip(self._start, _jiffies(self.exclude_pids)))
         self.share = max(0.0, foreign / max(1, total))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -123,28 +124,34 @@ class TPGroup:
     def __init__(self, host: str, port: int, rank: int, world: int, timeout: datetime.timedelta = TIMEOUT):
         self.rank, self.world = rank, world
         self.peers_dead: Any = None  # rank 0: a callable naming a rank that exited (tp_worker.SpawnedRanks.dead)
+        self.collective_seconds = 0.0  # time inside all-reduce / all-gather, for bench/tensor_parallel.py
         self.store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
         self.pg = dist.ProcessGroupGloo(self.store, rank, world, timeout)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (gloo reduces float32; other dtypes go through a float32 copy)."""
+        start = time.perf_counter()
         if x.dtype == torch.float32 and x.is_contiguous():
             self.pg.allreduce([x]).wait()
-            return x
-        buf = x.float().contiguous()
-        self.pg.allreduce([buf]).wait()
-        x.copy_(buf)
+        else:
+            buf = x.float().contiguous()
+            self.pg.allreduce([buf]).wait()
+            x.copy_(buf)
+        self.collective_seconds += time.perf_counter() - start
         return x
 
     def all_gather_columns(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """[N, sizes[rank]] on each rank → [N, sum(sizes)], ranks' columns in order (padded to the
         largest size for the collective)."""
+        start = time.perf_counter()
         width = max(sizes)
         local = torch.zeros(x.shape[0], width, dtype=torch.float32)
         local[:, :x.shape[1]] = x
         outs = [torch.empty_like(local) for _ in range(self.world)]
         self.pg.allgather([outs], [local]).wait()
-        return torch.cat([o[:, :n] for o, n in zip(outs, sizes)], dim=1).to(x.dtype)
+        out = torch.cat([o[:, :n] for o, n in zip(outs, sizes)], dim=1).to(x.dtype)
+        self.collective_seconds += time.perf_counter() - start
+        return out
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled; a size, then the bytes). Rank 0 first checks that its

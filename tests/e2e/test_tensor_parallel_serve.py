@@ -60,3 +60,35 @@ def test_tp2_server_answers_then_reports_a_killed_rank(llm_fp32):
         assert "tensor-parallel rank 1" in server.log_tail(200)
     finally:
         server.stop()
+
+
+def test_torchrun_launches_the_ranks_and_rank_0_serves(llm_fp32):
+    """`torchrun --nproc-per-node 2 -m ferrylm.cli serve -tp 2`: every process runs the same command,
+    rank 0 serves HTTP, rank 1 joins its group (MASTER_PORT + 1) and runs its steps."""
+    import subprocess
+    import sys
+
+    from tests.e2e.server_process import free_port
+
+    port, master = free_port(), free_port()
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port", str(master), "-m",
+                             "ferrylm.cli", "serve", "-tp", "2", "--dtype", "float32", "--enforce-eager",
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "torchrun exited or never got ready"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        body = {"model": MODEL, "prompt": "The sea is", "max_tokens": 12, "temperature": 0}
+        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        expected = llm_fp32.generate("The sea is", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+        assert got["choices"][0]["text"] == expected.outputs[0].text
+    finally:
+        proc.terminate()
+        proc.wait(30)
