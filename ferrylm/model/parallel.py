@@ -80,8 +80,8 @@ def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
                    intermediate_size=len(shard.intermediate), vocab_size=len(shard.vocab))
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TPShard) -> torch.Tensor:
-    """This rank's slice of the checkpoint tensor `name` (HF names; float tensors)."""
+def shard_index(name: str, config: ModelConfig, shard: TPShard) -> tuple[slice | None, slice | None]:
+    """(rows, columns) of the checkpoint tensor `name` (HF names) that this rank keeps; None: all."""
     d = config.head_dim
     q = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
     kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
@@ -93,16 +93,26 @@ def shard_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TP
     parts = name.split(".")
     module = parts[-2] if len(parts) >= 2 else ""
     if module in rows:
-        return tensor[rows[module]]
+        return rows[module], None
     if module in cols and parts[-1] == "weight":
-        return tensor[:, cols[module]]
-    return tensor  # norms (and an o_proj / down bias, which no supported architecture has)
+        return None, cols[module]
+    return None, None  # norms (and an o_proj / down bias, which no supported architecture has)
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TPShard) -> torch.Tensor:
+    """This rank's slice of the checkpoint tensor `name` (HF names; float tensors)."""
+    rows, cols = shard_index(name, config, shard)
+    if rows is not None:
+        return tensor[rows]
+    return tensor if cols is None else tensor[:, cols]
 
 
 class ShardedCheckpoint:
-    """Quacks like loader.Checkpoint for one rank: the local config and its slices of every weight,
-    dequantized to float first (GGUF blocks are not sliced packed here: the rank holds float weights,
-    or re-quantizes them with --quantization int8 / int4)."""
+    """Quacks like loader.Checkpoint for one rank: the local config and its slices of every weight, as
+    float tensors. Safetensors are read a slice at a time (only the rank's bytes); GGUF row slices are
+    cut from the blocks before dequantizing, column slices (o_proj, down) after. The rank then holds
+    float weights (or re-quantizes them with --quantization int8 / int4): GGUF blocks are not kept
+    packed under TP."""
 
     def __init__(self, checkpoint: Any, shard: TPShard):
         self.full_config: ModelConfig = checkpoint.config
@@ -112,9 +122,34 @@ class ShardedCheckpoint:
                                                      f"{shard.rank} of {shard.world})")
 
     def weights(self):
+        source = self._checkpoint.source
+        if getattr(source, "kind", None) == "hf":
+            yield from self._safetensors_slices(source.path)
+            return
         for name, tensor in self._checkpoint.weights():
-            t = tensor if isinstance(tensor, torch.Tensor) else tensor.to_float()
-            yield name, shard_tensor(name, t.float(), self.full_config, self.shard).contiguous()
+            rows, cols = shard_index(name, self.full_config, self.shard)
+            if not isinstance(tensor, torch.Tensor):  # GGUF blocks: rows are independent byte rows
+                if rows is not None:
+                    data = tensor.data[rows]
+                    tensor = replace(tensor, data=data, shape=(data.shape[0], tensor.shape[1]))
+                tensor = tensor.to_float()
+                rows = None
+            t = tensor.float()
+            t = t[rows] if rows is not None else t
+            yield name, (t[:, cols] if cols is not None else t).contiguous()
+
+    def _safetensors_slices(self, directory: Any):
+        from safetensors import safe_open
+
+        from ferrylm.model.hf_loader import _shard_files
+
+        for path in _shard_files(directory):
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    rows, cols = shard_index(key, self.full_config, self.shard)
+                    part = f.get_slice(key)
+                    t = part[rows] if rows is not None else part[:, cols] if cols is not None else part[:]
+                    yield key, t.float().contiguous()
 
 
 class TPGroup:
