@@ -192,7 +192,8 @@ class Engine:
         updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)
         self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
         return failed + self.output_processor.process(updated, result.logprobs,
-                                                      prompt_logprobs=result.prompt_logprobs)
+                                                      prompt_logprobs=result.prompt_logprobs,
+                                                      accepted_logprobs=getattr(result, "accepted_logprobs", None))
 
     def stats(self) -> LoadReport:
         s, waiting, running = self.scheduler.stats(), self.scheduler.waiting, self.scheduler.running

@@ -146,9 +146,11 @@ class OutputProcessor:
 
     def process(self, requests: Sequence[Request], logprobs: Mapping[str, TokenLogprobs],
                 now: float | None = None,
-                prompt_logprobs: Mapping[str, Sequence[ScoredPromptToken]] | None = None) -> list[RequestOutput]:
+                prompt_logprobs: Mapping[str, Sequence[ScoredPromptToken]] | None = None,
+                accepted_logprobs: Mapping[str, Sequence[TokenLogprobs]] | None = None) -> list[RequestOutput]:
         """One output per request that received a token this step, or ended with none (max_tokens 0):
-        scheduler.update's list. `prompt_logprobs`: the prompt tokens the step scored, per request."""
+        scheduler.update's list. `prompt_logprobs`: the prompt tokens the step scored, per request.
+        `accepted_logprobs`: those of the speculative draft tokens emitted before the sampled one."""
         now = time.monotonic() if now is None else now
         for rid, scored in (prompt_logprobs or {}).items():
             if rid in self._states:
@@ -163,8 +165,9 @@ class OutputProcessor:
                 continue
             new = req.token_ids[len(req.token_ids) - max(req.num_new_tokens, 1):]
             text, emitted = "", []
+            drafted = list((accepted_logprobs or {}).get(req.request_id, ()))
             for i, token in enumerate(new):  # several when a speculative draft was accepted
-                state.add_logprobs(logprobs.get(req.request_id), token)
+                state.add_logprobs(drafted[i] if i < len(drafted) else logprobs.get(req.request_id), token)
                 emitted.append(token)
                 text += self._detokenize(state, token, last=i == len(new) - 1)
                 if len(emitted) < len(new) and req.is_finished and req.finish_reason is FinishReason.STOP \

@@ -20,18 +20,12 @@ from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.parallel import ShardedCheckpoint, TPContext, TPGroup
 from ferrylm.model.prompt_logprobs import PromptLogprob
-from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState
+from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, TokenLogprobs
 from ferrylm.model.spec_step import Speculator, build_batch, split_rows
 from ferrylm.model.structured_output import apply_grammar_masks, new_matcher
 from ferrylm.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("ferrylm.runner")
-
-
-class TokenLogprobs(NamedTuple):
-    """Logprob of the sampled token and the top alternatives, chosen token first."""
-
-    entries: dict[int, float]
 
 
 class RunnerOutput(NamedTuple):
@@ -40,6 +34,7 @@ class RunnerOutput(NamedTuple):
     prompt_logprobs: dict[str, list[PromptLogprob]] = {}  # this step's scored prompt tokens (never mutated)
     accepted: dict[str, list[int]] = {}  # draft tokens the target kept, emitted before `sampled` (never mutated)
     draft_token_ids: dict[str, list[int]] = {}  # proposals for the next step (never mutated)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = {}  # of the `accepted` tokens, when asked (never mutated)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
@@ -234,7 +229,8 @@ class ModelRunner:
                                   [items[i].request_id for i in plain])
         verified = self.speculator.verify(logits.index_select(0, drafted_rows.to(logits.device)),
                                           [items[i] for i in drafted], self.states)
-        return RunnerOutput(result.sampled | verified.sampled, result.logprobs, accepted=verified.accepted)
+        return RunnerOutput(result.sampled | verified.sampled, result.logprobs | verified.logprobs,
+                            accepted=verified.accepted, accepted_logprobs=verified.accepted_logprobs)
 
     def _logits(self, batch: ForwardBatch, num_sampled: int) -> torch.Tensor:
         """float32 logits of the rows in batch.logits_indices (a compiled step computes every row's

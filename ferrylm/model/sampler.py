@@ -55,6 +55,28 @@ class SamplingRequestState:
     grammar: Any = None  # structured output: the request's xgrammar GrammarMatcher
 
 
+class TokenLogprobs(NamedTuple):
+    """Logprob of the sampled token and the top alternatives, chosen token first."""
+
+    entries: dict[int, float]
+
+
+def rows_logprobs(processed: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Per row of `processed` (logits after bias, masks and penalties, before temperature: the
+    sampler's "processed" logprobs): the logprob of tokens[row] and the row's top `k`."""
+    logprobs = processed.float().log_softmax(dim=-1)
+    rows = torch.arange(len(tokens), device=processed.device)
+    chosen = logprobs[rows, torch.tensor(tokens, device=processed.device)].tolist()
+    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    out = []
+    for i, (ids, vals) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+        entries = {tokens[i]: chosen[i]}
+        for tid, val in zip(ids, vals):
+            entries.setdefault(tid, val)
+        out.append(TokenLogprobs(entries))
+    return out
+
+
 class SamplerOutput(NamedTuple):
     """Sampled ids plus optional logprobs (processed mode, see module docstring)."""
 
@@ -424,6 +446,8 @@ def _exponential_race(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 __all__ = [
     "SamplerOutput",
+    "TokenLogprobs",
+    "rows_logprobs",
     "Sampler",
     "SamplingBatch",
     "SamplingRequestState",

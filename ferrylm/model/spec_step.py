@@ -17,8 +17,10 @@ from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.sampler import (
     SamplingBatch,
     SamplingRequestState,
+    TokenLogprobs,
     make_generator,
     processed_logits,
+    rows_logprobs,
     sampling_probs,
 )
 from ferrylm.model.speculative import DraftBackoff, NgramProposer, rejection_sample, verify_greedy
@@ -35,6 +37,8 @@ DEFAULT_SPEC_MAX_BATCH = 8
 class Verification(NamedTuple):
     sampled: dict[str, int]  # the target's own token per drafted request (emitted last)
     accepted: dict[str, list[int]]  # the draft prefix kept, emitted before it
+    logprobs: dict[str, TokenLogprobs]  # of the sampled token, for requests that asked for logprobs
+    accepted_logprobs: dict[str, list[TokenLogprobs]]  # of each kept draft token, likewise
 
 
 def build_batch(scheduled: Sequence[ScheduledRequest], block_size: int, device: torch.device) -> ForwardBatch:
@@ -90,20 +94,14 @@ class Speculator:
     def propose(self, items: Sequence[ScheduledRequest],
                 states: dict[str, SamplingRequestState]) -> dict[str, list[int]]:
         """Drafts for the next step for the requests sampled in this one (`items`), for those that can
-        be verified exactly here: not those asking for logprobs (no per-position logprobs yet); none
-        when the batch is large. Guided requests are drafted for: verification masks each position
-        with the grammar (a guess it refuses is rejected)."""
+        be verified exactly here; none when the batch is large. Guided requests are drafted for:
+        verification masks each position with the grammar (a guess it refuses is rejected); requests
+        asking for logprobs get each emitted token's from its own position's row."""
         for item in items:
             self.pending.pop(item.request_id, None)
         if len(items) > self.max_batch:
             return {}
-        eligible = []
-        for item in items:
-            state = states[item.request_id]
-            if state.params.logprobs is not None:
-                continue
-            if self.backoff.setdefault(item.request_id, DraftBackoff()).allows():
-                eligible.append(item)
+        eligible = [item for item in items if self.backoff.setdefault(item.request_id, DraftBackoff()).allows()]
         if self.model_proposer is None:
             drafts = {item.request_id: self.proposer.propose(_all_tokens(states[item.request_id]))
                       for item in eligible}
@@ -134,6 +132,8 @@ class Speculator:
         processed = processed_logits(logits, sampling)
         probs = None if sampling.all_greedy else sampling_probs(processed, sampling)
         sampled, accepted = {}, {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        accepted_logprobs: dict[str, list[TokenLogprobs]] = {}
         offset = 0
         for item, draft in zip(items, drafts):
             rid = item.request_id
@@ -147,8 +147,11 @@ class Speculator:
                 verified = rejection_sample(probs[offset:offset + n].unsqueeze(0),
                                             torch.tensor([draft], device=self.device), self._draft_q(rid, draft),
                                             state.generator)
-            offset += n
             tokens = verified.tokens[0]
+            if state.params.logprobs is not None:  # each emitted token's row, as a plain step would give
+                rows = rows_logprobs(processed[offset:offset + len(tokens)], tokens, state.params.logprobs)
+                logprobs[rid], accepted_logprobs[rid] = rows[-1], rows[:-1]
+            offset += n
             state.output_token_ids.extend(tokens)
             sampled[rid], accepted[rid] = tokens[-1], tokens[:-1]
             if state.grammar is not None:
@@ -157,7 +160,7 @@ class Speculator:
                         log.warning("request %s: token %d rejected by its grammar", rid, token)
                         break
             self.backoff.setdefault(rid, DraftBackoff()).record(len(item.draft_token_ids), verified.num_accepted[0])
-        return Verification(sampled, accepted)
+        return Verification(sampled, accepted, logprobs, accepted_logprobs)
 
 
     def _draft_q(self, request_id: str, draft: list[int]) -> torch.Tensor | None:

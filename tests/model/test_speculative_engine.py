@@ -223,3 +223,30 @@ def test_draft_rows_are_masked_by_the_grammar_after_each_guess(llm_fp32):
     assert {c, d} <= allowed[2] and not {a, b, x} & allowed[2]
     assert bool((logits[3] == 0).all())  # past the cut: untouched
     assert matcher.accept_token(a) and not matcher.accept_token(x)  # rolled back to the start
+
+
+@requires_smollm2
+def test_requests_with_logprobs_speculate_with_each_positions_logprobs(llm_fp32, prompts):
+    """Every emitted token, drafted or not, carries the logprobs of its own position's row: equal to
+    plain decoding's (float32), with drafts accepted."""
+    from ferrylm import LLM
+
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0, frequency_penalty=0.05)]
+
+    def run(spec: bool):
+        with speculating(llm_fp32) if spec else contextlib.nullcontext():
+            engine = engine_like(llm_fp32)
+            outs = LLM.from_engine(engine).generate([{"prompt_token_ids": p} for p in prompts[:3]] * 2,
+                                                   (params * 2)[:3] * 2, use_tqdm=False)
+            return [o.outputs[0] for o in outs], engine
+
+    plain, _ = run(False)
+    spec, engine = run(True)
+    assert engine.stats().spec_decode_num_accepted_tokens > 10
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            assert max(abs(getattr(la[t], "logprob", la[t]) - getattr(lb[t], "logprob", lb[t])) for t in la) < 1e-4
+        assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-3
