@@ -62,6 +62,9 @@ class ModelRunner:
                  quantization: QuantConfig | None = None, speculative: SpeculativeConfig | None = None,
                  tp: TPGroup | None = None):
         self.config: ModelConfig = checkpoint.config  # the whole model's (vocabulary, layers, EOS)
+        if tp is not None and device.type != "cpu":
+            raise ConfigError("--tensor-parallel-size > 1 runs on CPU (gloo) in this version; NCCL on CUDA is not "
+                              "built yet")
         self.tp = None if tp is None else TPContext.build(tp, checkpoint.config)
         load_from = checkpoint if self.tp is None else ShardedCheckpoint(checkpoint, self.tp.shard)
         self.local_config: ModelConfig = load_from.config  # this rank's heads and widths (all of them without TP)

@@ -168,14 +168,20 @@ def test_sampled_output_distribution_is_unchanged_by_speculation():
     plain, _ = _second_tokens(_tiny_engine(None), n)
     spec, drafts = _second_tokens(_tiny_engine(SpeculativeConfig("ngram", 2, disable_by_batch_size=4096)), n)
     assert drafts >= n  # every request verified a draft
-    a, b = torch.bincount(plain, minlength=320).double(), torch.bincount(spec, minlength=320).double()
+    assert homogeneity_p_value(plain, spec, 320) > 1e-3
+
+
+def homogeneity_p_value(a_tokens: torch.Tensor, b_tokens: torch.Tensor, vocab: int) -> float:
+    """2 x k chi-square homogeneity test of two equal-size samples of token ids: the p-value."""
+    n = len(a_tokens)
+    a, b = torch.bincount(a_tokens, minlength=vocab).double(), torch.bincount(b_tokens, minlength=vocab).double()
     cells = (a + b) > 0
     a, b = a[cells], b[cells]
     pooled = (a + b) / (2 * n)
     stat = ((a - pooled * n) ** 2 / (pooled * n) + (b - pooled * n) ** 2 / (pooled * n)).sum()
     df = torch.tensor(float(cells.sum() - 1), dtype=torch.double)
     assert df >= 3, "the test needs a spread-out distribution"
-    assert float(torch.special.gammaincc(df / 2, stat / 2)) > 1e-3
+    return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
 @requires_smollm2

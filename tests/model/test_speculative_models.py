@@ -20,7 +20,7 @@ from tests.conftest import chat_prompt_ids, requires_smollm2, run_to_completion
 from tests.gpu.random_model import RandomCheckpoint, build_engine, model_config
 from tests.model.draft_models import write_random, write_truncated
 from tests.model.prompts import SIXTEEN_PROMPTS
-from tests.model.test_speculative_engine import GROUNDED, _run, speculating
+from tests.model.test_speculative_engine import GROUNDED, _run, homogeneity_p_value, speculating
 
 TINY = model_config("tiny", max_positions=512)
 
@@ -135,14 +135,7 @@ def test_sampled_distribution_is_the_targets_with_a_draft_models_q(tiny_drafts):
     assert drafts >= n
     # q is used, not a one-hot on the guess (also exact, but accepting only p(x) of the time: ~20% here)
     assert engine.stats().spec_decode_num_accepted_tokens > 0.5 * n
-    a, b = torch.bincount(plain, minlength=320).double(), torch.bincount(spec, minlength=320).double()
-    cells = (a + b) > 0
-    a, b = a[cells], b[cells]
-    pooled = (a + b) / (2 * n)
-    stat = ((a - pooled * n) ** 2 / (pooled * n) + (b - pooled * n) ** 2 / (pooled * n)).sum()
-    df = torch.tensor(float(cells.sum() - 1), dtype=torch.double)
-    assert df >= 3, "the test needs a spread-out distribution"
-    assert float(torch.special.gammaincc(df / 2, stat / 2)) > 1e-3
+    assert homogeneity_p_value(plain, spec, 320) > 1e-3
 
 
 _OPS = st.lists(st.one_of(st.tuples(st.just("add"), st.integers(0, 7)), st.tuples(st.just("step"), st.integers(1, 4)),
