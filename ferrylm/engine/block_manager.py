@@ -136,7 +136,49 @@ class BlockManager:
             parent = hash(key)
         return found
 
+    def cached_blocks(self, token_ids: list[int]) -> list[int]:
+        """Blocks holding the leading full blocks of `token_ids` that are cached (the prefix a KV
+        transfer can send), up to the first that is not."""
+        found: list[int] = []
+        parent: int | None = None
+        for i in range(len(token_ids) // self.block_size):
+            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            found.append(block_id)
+            parent = hash(key)
+        return found
+
     # -- mutations -----------------------------------------------------------------------
+    def import_cached_blocks(self, token_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
+        """Make the first `num_blocks` full blocks of `token_ids` cached here, for K/V computed
+        elsewhere (disaggregated prefill): (block index, block id) of each block the caller must now
+        fill, in order; blocks already cached are skipped. Stops where the free pool runs out (a
+        chain is only findable from its start). The new blocks end unreferenced and evictable, like
+        any finished request's; none is evicted by this same import."""
+        if not self.enable_prefix_caching:
+            return []
+        held: list[int] = []
+        fill: list[tuple[int, int]] = []
+        parent: int | None = None
+        for i in range(min(num_blocks, len(token_ids) // self.block_size)):
+            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            block_id = self.pool.lookup(key)
+            if block_id is not None:
+                self.pool.touch([block_id])
+            elif self.pool.num_free:
+                block_id = self.pool.allocate(1)[0]
+                self.pool.register(block_id, key)
+                fill.append((i, block_id))
+            else:
+                break
+            held.append(block_id)
+            parent = hash(key)
+        self.pool.release(held)
+        return fill
+
+
     def allocate_slots(self, request_id: str, token_ids: list[int], num_computed: int, num_new: int,
                        cached_blocks: list[int] | None = None) -> bool:
         """Grow the table so tokens [0, num_computed + num_new) have slots; False (no change) if full.

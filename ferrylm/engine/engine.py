@@ -8,10 +8,11 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from ferrylm.config import EngineConfig
-from ferrylm.engine.block_manager import BlockManager
+from ferrylm.engine.block_manager import BlockManager, block_hashes
 from ferrylm.engine.output_processor import OutputProcessor
 from ferrylm.engine.request import Request
 from ferrylm.engine.scheduler import RequestRejected, Scheduler
+from ferrylm.kv_transfer import KVBlocks, KVLayoutMismatch
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import FinishReason, RequestOutput, RequestOutputKind
 from ferrylm.request_limits import check_prompt_ids, check_token_ids, resolve_max_tokens
@@ -167,6 +168,28 @@ class Engine:
                            if r.grammar is not None and not r.grammar.done() and not r.is_finished]
         outputs = [self.abort(r.request_id) for r in failed]
         return [out for out in outputs if out is not None]
+
+    # -- KV transfer (disaggregated prefill/decode) ----------------------------------------
+    def export_prefix_kv(self, token_ids: list[int]) -> KVBlocks:
+        """The K/V of the leading full blocks of `token_ids` that this engine has cached (after it ran
+        the prompt), named by their block hashes."""
+        blocks = self.block_manager.cached_blocks(token_ids)
+        return KVBlocks(self.runner.kv_layout(), block_hashes(token_ids, self.block_manager.block_size, len(blocks)),
+                        self.runner.read_kv_blocks(blocks))
+
+    def import_prefix_kv(self, token_ids: list[int], kv: KVBlocks) -> int:
+        """Cache here the blocks another engine computed for `token_ids`'s prefix (only those not
+        already cached); a request for that prompt then starts from a prefix hit. Returns the number
+        of blocks written. Raises KVLayoutMismatch or ValueError (hashes not of these tokens)."""
+        if kv.layout != self.runner.kv_layout():
+            raise KVLayoutMismatch(f"KV blocks of layout {kv.layout} cannot go into {self.runner.kv_layout()}")
+        if kv.hashes != block_hashes(token_ids, self.block_manager.block_size, len(kv.hashes)) \
+                or len(kv.hashes) > len(token_ids) // self.block_manager.block_size:
+            raise ValueError("the KV blocks' hashes are not those of these prompt tokens")
+        fill = self.block_manager.import_cached_blocks(token_ids, len(kv.hashes))
+        if fill:
+            self.runner.write_kv_blocks([b for _, b in fill], kv.data[:, :, [i for i, _ in fill]])
+        return len(fill)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its KV blocks are freed immediately."""

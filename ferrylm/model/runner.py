@@ -157,6 +157,34 @@ class ModelRunner:
         return [(kv_quant.allocate(shape, dtype, self.device), kv_quant.allocate(shape, dtype, self.device))
                 for _ in range(self.config.num_layers)]
 
+    def kv_layout(self) -> dict:
+        """What two engines must share for their KV blocks to be exchangeable (kv_transfer.py)."""
+        k = self.kv_caches[0][0]
+        return {"model": self.config.name, "layers": self.config.num_layers, "block_size": self.block_size,
+                "kv_heads": self.local_config.num_kv_heads, "head_dim": self.local_config.head_dim,
+                "storage": str(k.dtype), "cache_dtype": self.cache_dtype, "vocab": self.config.vocab_size}
+
+    @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[layers, 2, n, block_size, kv_heads, head_dim]: the stored K/V of `block_ids` (a copy)."""
+        self._no_tp("KV block transfer")
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)])
+                            for k, v in self.kv_caches]).cpu()
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Store `data` (read_kv_blocks' shape, one entry per block id) into those blocks."""
+        self._no_tp("KV block transfer")
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, data[layer, 0].to(k.device, k.dtype))
+            v.index_copy_(0, idx, data[layer, 1].to(v.device, v.dtype))
+
+    def _no_tp(self, what: str) -> None:
+        if self.tp is not None:
+            raise ConfigError(f"{what} is not supported with --tensor-parallel-size > 1")
+
     @torch.inference_mode()
     def execute_shard(self, output: SchedulerOutput) -> None:
         """A non-zero tensor-parallel rank's step: the forward and logits collectives of rank 0's

@@ -1,0 +1,48 @@
+"""KV blocks moved between engines (disaggregated prefill/decode): the K/V of a prompt's leading full
+blocks, named by their chained block hashes, with the cache layout they were written in. A leaf
+module: the engine passes the tensor through without importing torch; the runner reads and writes
+it; `to_bytes` / `from_bytes` are the wire format (safetensors: the tensor plus JSON metadata)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+
+class KVLayoutMismatch(ValueError):
+    """The sender's cache layout (model, dtype, block size, heads) is not the receiver's."""
+
+
+class KVBlocks(NamedTuple):
+    layout: dict[str, Any]  # runner.kv_layout(): blocks are only exchangeable between equal layouts
+    hashes: list[int]  # block_manager.block_hashes of the prompt's first len(hashes) full blocks
+    data: Any  # torch.Tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim], cache storage dtype
+
+    def to_bytes(self) -> bytes:
+        from safetensors.torch import save
+
+        meta = {"layout": json.dumps(self.layout, sort_keys=True), "hashes": json.dumps(self.hashes)}
+        return save({"kv": self.data.contiguous()}, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, body: bytes) -> "KVBlocks":
+        """Raises ValueError on anything that is not a KV-blocks body."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            tensors = load(body)
+            meta = _metadata(body)
+            layout, hashes = json.loads(meta["layout"]), json.loads(meta["hashes"])
+        except (SafetensorError, KeyError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"not a KV-blocks body ({e})") from None
+        if "kv" not in tensors or not isinstance(hashes, list) or tensors["kv"].dim() != 6 \
+                or tensors["kv"].shape[2] != len(hashes):
+            raise ValueError("not a KV-blocks body (tensor 'kv' [layers, 2, blocks, ...] with one hash per block)")
+        return cls(layout, [int(h) for h in hashes], tensors["kv"])
+
+
+def _metadata(body: bytes) -> dict[str, str]:
+    """The safetensors header's __metadata__ (safetensors.torch.load drops it)."""
+    size = int.from_bytes(body[:8], "little")
+    return json.loads(body[8:8 + size]).get("__metadata__") or {}
