@@ -17,11 +17,13 @@ class KVBlocks(NamedTuple):
     layout: dict[str, Any]  # runner.kv_layout(): blocks are only exchangeable between equal layouts
     hashes: list[int]  # block_manager.block_hashes of the prompt's first len(hashes) full blocks
     data: Any  # torch.Tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim], cache storage dtype
+    token_ids: list[int]  # the tokens those blocks hold (the receiver checks the hashes against them)
 
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
 
-        meta = {"layout": json.dumps(self.layout, sort_keys=True), "hashes": json.dumps(self.hashes)}
+        meta = {"layout": json.dumps(self.layout, sort_keys=True), "hashes": json.dumps(self.hashes),
+                "tokens": json.dumps(self.token_ids)}
         return save({"kv": self.data.contiguous()}, metadata=meta)
 
     @classmethod
@@ -33,13 +35,15 @@ class KVBlocks(NamedTuple):
         try:
             tensors = load(body)
             meta = _metadata(body)
-            layout, hashes = json.loads(meta["layout"]), json.loads(meta["hashes"])
+            layout, hashes, tokens = (json.loads(meta[k]) for k in ("layout", "hashes", "tokens"))
         except (SafetensorError, KeyError, json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"not a KV-blocks body ({e})") from None
         if "kv" not in tensors or not isinstance(hashes, list) or tensors["kv"].dim() != 6 \
                 or tensors["kv"].shape[2] != len(hashes):
             raise ValueError("not a KV-blocks body (tensor 'kv' [layers, 2, blocks, ...] with one hash per block)")
-        return cls(layout, [int(h) for h in hashes], tensors["kv"])
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ValueError("not a KV-blocks body (its tokens are not a list of ids)")
+        return cls(layout, [int(h) for h in hashes], tensors["kv"], tokens)
 
 
 def _metadata(body: bytes) -> dict[str, str]:

@@ -15,12 +15,13 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
 
 from ferrylm.engine.client import EngineDeadError, ModelInfo
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
+from ferrylm.kv_transfer import KVBlocks
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import RequestOutput, RequestOutputKind
 from ferrylm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -191,6 +192,24 @@ class AsyncEngine:
             self.abort(key)  # no-op if it was rejected; needed if we were cancelled
             raise
         return RequestStream(self, key, request_id, queue)
+
+    async def export_prefix_kv(self, token_ids: list[int]) -> bytes:
+        """kv_transfer wire bytes of the cached full blocks of `token_ids` (taken between steps)."""
+        kv = await asyncio.to_thread(self._between_steps, lambda: self.engine.export_prefix_kv(token_ids))
+        return await asyncio.to_thread(kv.to_bytes)
+
+    async def import_prefix_kv(self, body: bytes) -> int:
+        """Cache the blocks of a kv_transfer body here (between steps); the number written. Raises
+        ValueError for a bad body or hashes, kv_transfer.KVLayoutMismatch for another layout."""
+        kv = await asyncio.to_thread(KVBlocks.from_bytes, body)
+        return await asyncio.to_thread(self._between_steps, lambda: self.engine.import_prefix_kv(kv.token_ids, kv))
+
+    def _between_steps(self, work: Callable[[], Any]) -> Any:
+        """Run `work` on the caller's thread while the loop is between steps (it holds the lock in one)."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop died: {self.error!r}")
+        with self._lock:
+            return work()
 
     async def prepare_structured_output(self, spec: StructuredOutputsParams) -> None:
         """Wait for the constraint's grammar (compiled on the compiler's worker thread, cached, so the

@@ -10,11 +10,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash, token ids of this block)
+BlockKey = tuple[int, tuple[int, ...]]  # (parent block hash, token ids of this block)
+# The "parent" of a prompt's first block. An int, not None: hash(None) is its address in Python before
+# 3.12, so chains starting from None differed between processes (a KV transfer compares hashes).
+ROOT_HASH = 0
 
 
-def hash_block_tokens(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    """Chained block hash; deterministic across processes (ints and tuples are not salted)."""
+def hash_block_tokens(parent_hash: int, tokens: tuple[int, ...]) -> int:
+    """Chained block hash; deterministic across processes (ints and tuples of ints are not salted)."""
     return hash((parent_hash, tokens))
 
 
@@ -22,7 +25,7 @@ def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None =
     """Hashes of the leading full blocks of `token_ids` (the router uses the same function)."""
     full = len(token_ids) // block_size if num_blocks is None else num_blocks
     hashes: list[int] = []
-    parent: int | None = None
+    parent = ROOT_HASH
     for i in range(full):
         parent = hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         hashes.append(parent)
@@ -126,7 +129,7 @@ class BlockManager:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
-        parent: int | None = None
+        parent = ROOT_HASH
         for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block_id = self.pool.lookup(key)
@@ -140,7 +143,7 @@ class BlockManager:
         """Blocks holding the leading full blocks of `token_ids` that are cached (the prefix a KV
         transfer can send), up to the first that is not."""
         found: list[int] = []
-        parent: int | None = None
+        parent = ROOT_HASH
         for i in range(len(token_ids) // self.block_size):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block_id = self.pool.lookup(key)
@@ -161,7 +164,7 @@ class BlockManager:
             return []
         held: list[int] = []
         fill: list[tuple[int, int]] = []
-        parent: int | None = None
+        parent = ROOT_HASH
         for i in range(min(num_blocks, len(token_ids) // self.block_size)):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block_id = self.pool.lookup(key)
@@ -203,7 +206,7 @@ class BlockManager:
         hashes = self._hashed.setdefault(request_id, [])
         table = self.tables[request_id]
         for i in range(len(hashes), num_tokens // self.block_size):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else ROOT_HASH
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             self.pool.register(table[i], key)
             hashes.append(hash(key))

@@ -174,8 +174,9 @@ class Engine:
         """The K/V of the leading full blocks of `token_ids` that this engine has cached (after it ran
         the prompt), named by their block hashes."""
         blocks = self.block_manager.cached_blocks(token_ids)
-        return KVBlocks(self.runner.kv_layout(), block_hashes(token_ids, self.block_manager.block_size, len(blocks)),
-                        self.runner.read_kv_blocks(blocks))
+        size = self.block_manager.block_size
+        return KVBlocks(self.runner.kv_layout(), block_hashes(token_ids, size, len(blocks)),
+                        self.runner.read_kv_blocks(blocks), list(token_ids[:len(blocks) * size]))
 
     def import_prefix_kv(self, token_ids: list[int], kv: KVBlocks) -> int:
         """Cache here the blocks another engine computed for `token_ids`'s prefix (only those not

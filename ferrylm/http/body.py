@@ -34,8 +34,8 @@ async def _discard_rest(request: Request, already: int, limit: int) -> None:
             return
 
 
-async def read_json_body(request: Request, limit: int) -> dict:
-    """The body as a JSON object; 413 above `limit` bytes, 400 for bad UTF-8, bad JSON or a non-object."""
+async def read_raw_body(request: Request, limit: int) -> bytes:
+    """The body's bytes; 413 above `limit` (binary bodies: KV-block transfers)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         await _discard_rest(request, 0, limit)
@@ -47,7 +47,12 @@ async def read_json_body(request: Request, limit: int) -> dict:
             await _discard_rest(request, size, limit)
             raise _too_large(limit)
         parts.append(chunk)
-    raw = b"".join(parts)
+    return b"".join(parts)
+
+
+async def read_json_body(request: Request, limit: int) -> dict:
+    """The body as a JSON object; 413 above `limit` bytes, 400 for bad UTF-8, bad JSON or a non-object."""
+    raw = await read_raw_body(request, limit)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

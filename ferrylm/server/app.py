@@ -43,7 +43,7 @@ from ferrylm.http.protocol import (
 from ferrylm.http.responses_protocol import ResponsesRequest, as_chat_request, in_responses_terms
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import gatekeeping, inputs, prompts, responses, serving, structured, tokenize
+from ferrylm.server import gatekeeping, inputs, kv_routes, prompts, responses, serving, structured, tokenize
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.fanout import Fanout
@@ -324,6 +324,9 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> Fas
     v1.add_api_route("/responses", create_response, methods=["POST"],
                      responses={200: {"content": {"text/event-stream": {}}}} | generation_errors,
                      openapi_extra=json_body_openapi(ResponsesRequest))
+    v1.add_api_route("/kv/export", kv_routes.kv_export, methods=["POST"], responses=error_responses(400, 404, 503))
+    v1.add_api_route("/kv/import", kv_routes.kv_import, methods=["POST"],
+                     responses=error_responses(400, 404, 409, 413, 503))
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
     v1.add_api_route("/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard,
                      responses=error_responses(404))

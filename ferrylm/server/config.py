@@ -29,6 +29,8 @@ class ServerConfig:
     gateway: GatewayConfig | None = None  # auth, rate limits, quotas, admission control, audit
     metrics_require_auth: bool = False  # /metrics and /load take /v1's credential (default: open)
     connections: ConnectionLimits = ConnectionLimits()  # keep-alive / header timeouts, connection cap
+    kv_role: str | None = None  # --kv-role: prefill (serves /v1/kv/export), decode (/v1/kv/import), both
+    max_kv_transfer_bytes: int = 1 << 30  # a /v1/kv/import body larger than this gets 413
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -36,6 +38,8 @@ class ServerConfig:
         check_credential_sources(self.metrics_require_auth, self.api_key, self.gateway is not None)
         if min(self.max_sequences_per_request, self.max_stream_backlog) < 1:
             raise ConfigError("max_sequences_per_request and max_stream_backlog must be at least 1")
+        if self.kv_role not in (None, "prefill", "decode", "both"):
+            raise ConfigError(f"--kv-role must be prefill, decode or both, not {self.kv_role!r}")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if min(self.drain_timeout_s, self.ready_timeout_s, self.heartbeat_timeout_s) <= 0:

@@ -1,0 +1,49 @@
+"""KV-block transfer between replicas (disaggregated prefill/decode, --kv-role): a prefill replica
+exports the K/V of a prompt's cached full blocks, a decode replica imports them into its prefix
+cache, so a request for that prompt there starts from a prefix hit. The body is kv_transfer's wire
+format (safetensors). Behind the server's credential like /v1; 404 where the role is not enabled."""
+
+from __future__ import annotations
+
+from fastapi import Request, Response
+
+from ferrylm.http.body import read_json_body, read_raw_body
+from ferrylm.http.errors import APIError, invalid
+from ferrylm.kv_transfer import KVLayoutMismatch
+from ferrylm.server import gatekeeping
+from ferrylm.server.state import ServerState
+
+
+def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerState:
+    state: ServerState = request.app.state.ferry
+    if state.config.kv_role not in roles:
+        raise APIError(404, f"KV {what} is off on this replica: start it with --kv-role {' or '.join(roles)}.",
+                       code="not_found", type_="invalid_request_error")
+    return state
+
+
+async def kv_export(request: Request) -> Response:
+    """{"prompt_token_ids": [...]} → the K/V of that prompt's leading full blocks cached here."""
+    state = _state(request, ("prefill", "both"), "export")
+    await gatekeeping.authenticate(request, state)
+    engine = state.admit()
+    body = await read_json_body(request, state.config.max_body_bytes)
+    ids = body.get("prompt_token_ids")
+    vocab = engine.model_info.vocab_size
+    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        raise invalid(f"'prompt_token_ids' must be a list of token ids (0..{vocab - 1}).", "prompt_token_ids")
+    return Response(content=await engine.export_prefix_kv(ids), media_type="application/octet-stream")
+
+
+async def kv_import(request: Request) -> dict:
+    """A kv_transfer body → {"imported_blocks": n}: blocks not already cached here are written."""
+    state = _state(request, ("decode", "both"), "import")
+    await gatekeeping.authenticate(request, state)
+    engine = state.admit()
+    body = await read_raw_body(request, state.config.max_kv_transfer_bytes)
+    try:
+        return {"imported_blocks": await engine.import_prefix_kv(body)}
+    except KVLayoutMismatch as e:
+        raise APIError(409, str(e), code="kv_layout_mismatch", type_="invalid_request_error") from None
+    except ValueError as e:
+        raise invalid(str(e), "body") from None
