@@ -223,9 +223,12 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream", action="append", default=[], metavar="[MODEL=]URL",
                    help="a FerryLM replica; repeat for more (URLs with the same MODEL form one group)")
     p.add_argument("--router-config", default=None, help="YAML: models → upstreams, policy, aliases, fallback")
+    p.add_argument("--prefill-upstream", action="append", default=[], metavar="[MODEL=]URL",
+                   help="with --policy disaggregated: a replica started with --kv-role prefill; each prompt is "
+                        "prefilled there and its KV blocks moved to the --upstream replica chosen (--kv-role decode)")
     p.add_argument("--model", default="smollm2-135m", help="model name for --upstream URLs given without MODEL=")
     p.add_argument("--policy", default="least-outstanding-tokens",
-                   choices=["round-robin", "least-outstanding-tokens", "prefix-affinity", "latency"])
+                   choices=["round-robin", "least-outstanding-tokens", "prefix-affinity", "latency", "disaggregated"])
     p.add_argument("--upstream-api-key", default=os.environ.get("FERRYLM_UPSTREAM_API_KEY"),
                    help="Bearer key the replicas require (their --api-key)")
     p.add_argument("--max-attempts", type=int, default=None, help="tries per request before the first token")
@@ -247,6 +250,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     try:
         router = load_router_config(args.router_config, args.upstream, default_model=args.model, policy=args.policy,
+                                    prefill_flags=args.prefill_upstream,
                                     upstream_api_key=args.upstream_api_key, max_attempts=args.max_attempts,
                                     poll_interval_s=args.poll_interval, expose_upstream=args.expose_upstream_header)
         connections = connection_limits_from_args(args)

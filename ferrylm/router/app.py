@@ -156,7 +156,8 @@ async def _route_context(state: GatewayState, group: ModelGroup,
     echo_chunks = n * len(info.prompt_lens) if getattr(req, "echo", False) else 0
     return RouteContext(reserved.prompt_tokens, reserved.output_tokens, info.hashes, info.key,
                         block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks, n * len(info.prompt_lens),
-                        Usage.of(info.prompt_lens, 0).prompt_tokens)
+                        Usage.of(info.prompt_lens, 0).prompt_tokens,
+                        info.token_ids if group.config.prefill_upstreams else ())
 
 
 class _Settlement:

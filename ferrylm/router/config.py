@@ -11,7 +11,7 @@ from ferrylm.gateway.config import GatewayConfig
 from ferrylm.gateway.ops_auth import check_credential_sources
 from ferrylm.http.config import ConnectionLimits
 
-POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "latency")
+POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "latency", "disaggregated")
 
 
 @dataclass(frozen=True)
@@ -24,16 +24,23 @@ class GroupConfig:
     aliases: tuple[str, ...] = ()
     fallback: str | None = None  # another group to use when every replica of this one is down
     tokenizer: str | None = None  # model source for token counts and prefix hashes (default: `name`)
+    # disaggregated: replicas started with --kv-role prefill; each request's prompt is prefilled on one
+    # and its KV blocks moved to the chosen `upstreams` replica (--kv-role decode) before it is sent there
+    prefill_upstreams: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
+        object.__setattr__(self, "prefill_upstreams", tuple(u.rstrip("/") for u in self.prefill_upstreams))
+        if (self.policy == "disaggregated") != bool(self.prefill_upstreams):
+            raise ConfigError(f"model group {self.name!r}: the disaggregated policy and prefill upstreams "
+                              "(--prefill-upstream) go together")
         object.__setattr__(self, "aliases", tuple(self.aliases))
         if not self.upstreams:
             raise ConfigError(f"model group {self.name!r} has no upstreams")
         if self.policy not in POLICIES:
             raise ConfigError(f"model group {self.name!r}: unknown policy {self.policy!r} "
                               f"(one of {', '.join(POLICIES)})")
-        for url in self.upstreams:
+        for url in self.upstreams + self.prefill_upstreams:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"upstream {url!r} must be an http:// or https:// URL")
 
@@ -81,13 +88,24 @@ class RouterConfig:
         return next(g for g in self.groups if g.name == name)
 
 
-def parse_upstream_flags(flags: list[str], default_model: str, policy: str) -> tuple[GroupConfig, ...]:
-    """`--upstream [MODEL=]URL`, repeatable: URLs with the same MODEL form one group."""
+def _by_model(flags: list[str], default_model: str) -> dict[str, list[str]]:
     by_model: dict[str, list[str]] = {}
     for flag in flags:
         model, sep, url = flag.partition("=") if "=" in flag.split("://", 1)[0] else ("", "", flag)
         by_model.setdefault(model if sep else default_model, []).append(url)
-    return tuple(GroupConfig(name, tuple(urls), policy) for name, urls in by_model.items())
+    return by_model
+
+
+def parse_upstream_flags(flags: list[str], default_model: str, policy: str,
+                         prefill_flags: list[str] | None = None) -> tuple[GroupConfig, ...]:
+    """`--upstream [MODEL=]URL`, repeatable: URLs with the same MODEL form one group;
+    `--prefill-upstream [MODEL=]URL` adds that group's prefill replicas."""
+    prefill = _by_model(prefill_flags or [], default_model)
+    unknown = sorted(set(prefill) - set(_by_model(flags, default_model)))
+    if unknown:
+        raise ConfigError(f"--prefill-upstream for {unknown}: no --upstream serves that model")
+    return tuple(GroupConfig(name, tuple(urls), policy, prefill_upstreams=tuple(prefill.get(name, ())))
+                 for name, urls in _by_model(flags, default_model).items())
 
 
 def _group_from_yaml(name: str, spec: dict, default_policy: str) -> GroupConfig:
@@ -95,16 +113,17 @@ def _group_from_yaml(name: str, spec: dict, default_policy: str) -> GroupConfig:
         spec = {"upstreams": spec}
     if not isinstance(spec, dict):
         raise ConfigError(f"model group {name!r}: expected a mapping with 'upstreams'")
-    unknown = set(spec) - {"upstreams", "policy", "aliases", "fallback", "tokenizer"}
+    unknown = set(spec) - {"upstreams", "policy", "aliases", "fallback", "tokenizer", "prefill_upstreams"}
     if unknown:
         raise ConfigError(f"model group {name!r}: unknown keys {sorted(unknown)}")
     return GroupConfig(name, tuple(spec.get("upstreams") or ()), spec.get("policy", default_policy),
-                       tuple(spec.get("aliases") or ()), spec.get("fallback"), spec.get("tokenizer"))
+                       tuple(spec.get("aliases") or ()), spec.get("fallback"), spec.get("tokenizer"),
+                       tuple(spec.get("prefill_upstreams") or ()))
 
 
 def load_router_config(path: str | Path | None, upstream_flags: list[str] | None = None, *,
                        default_model: str = "smollm2-135m", policy: str = "least-outstanding-tokens",
-                       **overrides) -> RouterConfig:
+                       prefill_flags: list[str] | None = None, **overrides) -> RouterConfig:
     """Groups from the YAML file (`models:` → name → {upstreams, policy, aliases, fallback}) and the
     flags together; top-level YAML keys set RouterConfig fields; keyword overrides win."""
     import yaml
@@ -124,7 +143,7 @@ def load_router_config(path: str | Path | None, upstream_flags: list[str] | None
         known = set(RouterConfig.__dataclass_fields__) - {"groups"}
         if set(settings) - known:
             raise ConfigError(f"{path}: unknown settings {sorted(set(settings) - known)}")
-    groups += parse_upstream_flags(upstream_flags or [], default_model, policy)
+    groups += parse_upstream_flags(upstream_flags or [], default_model, policy, prefill_flags)
     config = RouterConfig(tuple(groups), **settings)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return replace(config, **overrides) if overrides else config

@@ -21,6 +21,7 @@ import httpx
 
 from ferrylm.http.errors import APIError
 from ferrylm.router.config import RouterConfig
+from ferrylm.router.disaggregation import PrefillTransfer
 from ferrylm.router.metrics import RouterMetrics
 from ferrylm.router.policies import RouteContext
 from ferrylm.router.registry import ModelGroup, ReplicaRegistry
@@ -104,11 +105,15 @@ def no_upstream(group: ModelGroup, failure: UpstreamFailure | None) -> APIError:
                     code="upstream_error", type_="server_error")
 
 
+PREFILL_TIMEOUT_S = 120.0  # a disaggregated prefill and its KV transfer (past it the decode replica recomputes)
+
+
 class Dispatcher:
     def __init__(self, registry: ReplicaRegistry, config: RouterConfig, client: httpx.AsyncClient,
                  metrics: RouterMetrics):
         self.registry, self.config, self.client, self.metrics = registry, config, client, metrics
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
+        self.prefill = PrefillTransfer(client, PREFILL_TIMEOUT_S, config.connect_timeout_s)
 
     async def dispatch(self, group: ModelGroup, path: str, body: dict, headers: dict[str, str],
                        ctx: RouteContext, stream: bool) -> Dispatch:
@@ -171,6 +176,10 @@ class Dispatcher:
     async def _attempt(self, group: ModelGroup, replica: Replica, path: str, body: dict, headers: dict[str, str],
                        ctx: RouteContext, stream: bool, attempts: int) -> Dispatch:
         payload = dict(body, model=replica.served_model or group.name)
+        if group.config.prefill_upstreams and ctx.prompt_token_ids:  # the disaggregated policy
+            moved = await self.prefill.run(group.name, group.config.prefill_upstreams, payload["model"], replica.url,
+                                           ctx.prompt_token_ids, headers)
+            self.metrics.kv_transfers.labels(group.name, "failed" if moved is None else "ok").inc()
         ticket = replica.begin(ctx.prompt_tokens, ctx.expected_output)
         started = time.monotonic()
         response: httpx.Response | None = None

@@ -71,6 +71,10 @@ class RouterMetrics:
                                  ["model_group", "fallback_group"], registry=r)
         self.stream_errors = Counter(PREFIX + "stream_errors", "Streams ended by an error event after tokens "
                                      "had been sent (a replica failed mid-stream).", ["model_group"], registry=r)
+        self.kv_transfers = Counter(PREFIX + "kv_transfers", "Disaggregated prefills: the prompt run on a "
+                                    "prefill replica and its KV blocks moved to the decode replica (outcome ok), or "
+                                    "not (failed: the decode replica recomputes the prompt).",
+                                    ["model_group", "outcome"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token through the router.",
                               ["model_group"], buckets=TTFT_BUCKETS, registry=r)
         r.register(ReplicaCollector(registry))

@@ -25,6 +25,7 @@ class RouteContext(NamedTuple):
     echo_chunks: int = 0  # completions with echo: the replica streams the prompt back first
     num_sequences: int = 1  # prompts × n: engine requests, each held against the tenant's concurrency
     billed_prompt_tokens: int = 0  # each prompt once (outputs.Usage.of), if the replica reports no usage
+    prompt_token_ids: tuple[int, ...] = ()  # the one prompt's exact ids (disaggregated prefill), when known
 
 
 class Choice(NamedTuple):
@@ -174,7 +175,7 @@ def make_policy(name: str, urls: Sequence[str], config) -> Policy:
     """The policy named in the group config (`config` is the RouterConfig)."""
     if name == "round-robin":
         return RoundRobin()
-    if name == "least-outstanding-tokens":
+    if name in ("least-outstanding-tokens", "disaggregated"):  # disaggregated: decode replicas by load
         return LeastOutstandingTokens()
     if name == "latency":
         return LatencyEWMA()

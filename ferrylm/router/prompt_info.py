@@ -44,6 +44,7 @@ class PromptInfo(NamedTuple):
     prompt_lens: list[int]  # tokens of each prompt (a chat request has one)
     hashes: tuple[int, ...]  # the engine's block hashes of the first prompt (exact tokens only)
     key: int | None  # a text affinity key when the tokens are estimated
+    token_ids: tuple[int, ...] = ()  # the prompt's exact ids when there is one prompt and a tokenizer
 
 
 def describe(tokenizer, block_size: int | None, request: ChatCompletionRequest | CompletionRequest) -> PromptInfo:
@@ -52,7 +53,8 @@ def describe(tokenizer, block_size: int | None, request: ChatCompletionRequest |
         prompts = prompt_token_lists(tokenizer, request)
         size = block_size or DEFAULT_BLOCK_SIZE
         first = prompts[0][:MAX_HASHED_BLOCKS * size] if prompts else []
-        return PromptInfo([len(p) for p in prompts], tuple(block_hashes(first, size)), None)
+        return PromptInfo([len(p) for p in prompts], tuple(block_hashes(first, size)), None,
+                          tuple(prompts[0]) if len(prompts) == 1 else ())
     if isinstance(request, ChatCompletionRequest):
         texts = [_chat_text(request)]
     else:
