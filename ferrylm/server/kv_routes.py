@@ -14,8 +14,10 @@ from ferrylm.server import gatekeeping
 from ferrylm.server.state import ServerState
 
 
-def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerState:
+async def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerState:
+    """The server state for an authenticated caller (401 before anything is said about the role)."""
     state: ServerState = request.app.state.ferry
+    await gatekeeping.authenticate(request, state)
     if state.config.kv_role not in roles:
         raise APIError(404, f"KV {what} is off on this replica: start it with --kv-role {' or '.join(roles)}.",
                        code="not_found", type_="invalid_request_error")
@@ -24,8 +26,7 @@ def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerState:
 
 async def kv_export(request: Request) -> Response:
     """{"prompt_token_ids": [...]} → the K/V of that prompt's leading full blocks cached here."""
-    state = _state(request, ("prefill", "both"), "export")
-    await gatekeeping.authenticate(request, state)
+    state = await _state(request, ("prefill", "both"), "export")
     engine = state.admit()
     body = await read_json_body(request, state.config.max_body_bytes)
     ids = body.get("prompt_token_ids")
@@ -37,8 +38,7 @@ async def kv_export(request: Request) -> Response:
 
 async def kv_import(request: Request) -> dict:
     """A kv_transfer body → {"imported_blocks": n}: blocks not already cached here are written."""
-    state = _state(request, ("decode", "both"), "import")
-    await gatekeeping.authenticate(request, state)
+    state = await _state(request, ("decode", "both"), "import")
     engine = state.admit()
     body = await read_raw_body(request, state.config.max_kv_transfer_bytes)
     try:
