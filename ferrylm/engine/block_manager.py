@@ -127,24 +127,17 @@ class BlockManager:
         """Blocks holding the longest cached prefix, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        found: list[int] = []
-        parent = ROOT_HASH
-        for i in range(max_blocks):
-            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            block_id = self.pool.lookup(key)
-            if block_id is None:
-                break
-            found.append(block_id)
-            parent = hash(key)
-        return found
+        return self._cached_chain(token_ids, (len(token_ids) - 1) // self.block_size)
 
     def cached_blocks(self, token_ids: list[int]) -> list[int]:
         """Blocks holding the leading full blocks of `token_ids` that are cached (the prefix a KV
         transfer can send), up to the first that is not."""
+        return self._cached_chain(token_ids, len(token_ids) // self.block_size)
+
+    def _cached_chain(self, token_ids: list[int], max_blocks: int) -> list[int]:
         found: list[int] = []
         parent = ROOT_HASH
-        for i in range(len(token_ids) // self.block_size):
+        for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block_id = self.pool.lookup(key)
             if block_id is None:
