@@ -110,6 +110,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None,
                    help="disaggregated prefill/decode: serve POST /v1/kv/export (prefill), /v1/kv/import (decode) "
                         "or both; KV blocks move by block hash into the decode replica's prefix cache")
+    p.add_argument("--max-kv-transfer-bytes", type=int, default=1 << 30,
+                   help="a POST /v1/kv/import body larger than this gets 413 (a 4k-token SmolLM2 prompt is ~94 MB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--ready-timeout", type=float, default=5.0, help="seconds /ready's one-token probe may take")
@@ -213,7 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ready_timeout_s=args.ready_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
         test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
         gateway=gateway_config_from_args(args), metrics_require_auth=args.metrics_require_auth,
-        connections=connection_limits_from_args(args), kv_role=args.kv_role)
+        connections=connection_limits_from_args(args), kv_role=args.kv_role,
+        max_kv_transfer_bytes=args.max_kv_transfer_bytes)
     return run_server(config, lambda: Engine.from_config(engine_config))
 
 

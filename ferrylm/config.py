@@ -174,6 +174,13 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def check_speculative_with_tp(speculative: SpeculativeConfig | None, tensor_parallel_size: int) -> None:
+    """The model-based proposers draft on the target's shard-local model: only ngram runs under TP."""
+    if tensor_parallel_size > 1 and speculative is not None and speculative.method != "ngram":
+        raise ConfigError(f"--speculative-config method {speculative.method!r} with --tensor-parallel-size > 1 "
+                          "is not supported (ngram is)")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs: which model, its dtype/device, the cache and the scheduler."""
@@ -194,9 +201,7 @@ class EngineConfig:
             QuantConfig.parse(self.quantization)  # a clear ConfigError before anything loads
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be an integer >= 1, not {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.speculative is not None and self.speculative.method != "ngram":
-            raise ConfigError(f"--speculative-config method {self.speculative.method!r} with --tensor-parallel-size "
-                              "> 1 is not supported (ngram is)")
+        check_speculative_with_tp(self.speculative, self.tensor_parallel_size)
 
     @property
     def quant(self) -> QuantConfig | None:

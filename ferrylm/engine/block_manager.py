@@ -174,7 +174,6 @@ class BlockManager:
         self.pool.release(held)
         return fill
 
-
     def allocate_slots(self, request_id: str, token_ids: list[int], num_computed: int, num_new: int,
                        cached_blocks: list[int] | None = None) -> bool:
         """Grow the table so tokens [0, num_computed + num_new) have slots; False (no change) if full.

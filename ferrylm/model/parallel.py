@@ -99,14 +99,6 @@ def shard_index(name: str, config: ModelConfig, shard: TPShard) -> tuple[slice |
     return None, None  # norms (and an o_proj / down bias, which no supported architecture has)
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TPShard) -> torch.Tensor:
-    """This rank's slice of the checkpoint tensor `name` (HF names; float tensors)."""
-    rows, cols = shard_index(name, config, shard)
-    if rows is not None:
-        return tensor[rows]
-    return tensor if cols is None else tensor[:, cols]
-
-
 class ShardedCheckpoint:
     """Quacks like loader.Checkpoint for one rank: the local config and its slices of every weight, as
     float tensors. Safetensors are read a slice at a time (only the rank's bytes); GGUF row slices are

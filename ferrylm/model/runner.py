@@ -8,7 +8,14 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.config import CacheConfig, ConfigError, ModelConfig, QuantConfig, SpeculativeConfig
+from ferrylm.config import (
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    QuantConfig,
+    SpeculativeConfig,
+    check_speculative_with_tp,
+)
 from ferrylm.model import draft_setup, prompt_logprobs
 from ferrylm.model.attention import AttentionSpec, kv_quant, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
@@ -20,7 +27,7 @@ from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.parallel import ShardedCheckpoint, TPContext, TPGroup
 from ferrylm.model.prompt_logprobs import PromptLogprob
-from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, TokenLogprobs
+from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, TokenLogprobs, token_logprobs
 from ferrylm.model.spec_step import Speculator, build_batch, split_rows
 from ferrylm.model.structured_output import apply_grammar_masks, new_matcher
 from ferrylm.scheduler_output import SchedulerOutput
@@ -108,9 +115,7 @@ class ModelRunner:
         """Propose drafts from the next step on (None: stop). Requests under way keep their sampling
         state; a draft model or layer_skip proposer is built here (a draft model is loaded)."""
         self.speculator = None
-        if speculative is not None and self.tp is not None and speculative.method != "ngram":
-            raise ConfigError(f"--speculative-config method {speculative.method!r} with --tensor-parallel-size > 1 "
-                              "is not supported (ngram is)")
+        check_speculative_with_tp(speculative, 1 if self.tp is None else self.tp.group.world)
         if speculative is not None:
             proposer = draft_setup.build_proposer(speculative, self.model, self.config, self.num_blocks,
                                                   self.block_size, self.max_model_len, self.dtype, self.device,
@@ -295,14 +300,7 @@ class ModelRunner:
             if state.grammar is not None and not state.grammar.accept_token(token):
                 log.warning("request %s: token %d rejected by its grammar", rid, token)
         if result.logprobs is not None:
-            chosen = result.logprobs.tolist()
-            top_ids, top_vals = result.top_logprob_ids.tolist(), result.top_logprobs.tolist()
-            for i, (rid, state) in enumerate(zip(request_ids, states)):
-                k = state.params.logprobs
-                if k is None:
-                    continue
-                entries = {tokens[i]: chosen[i]}
-                for tid, val in zip(top_ids[i][:k], top_vals[i][:k]):
-                    entries.setdefault(tid, val)
-                logprobs[rid] = TokenLogprobs(entries)
+            for rid, entry in zip(request_ids, token_logprobs(result, [st.params.logprobs for st in states])):
+                if entry is not None:
+                    logprobs[rid] = entry
         return RunnerOutput(sampled, logprobs)

@@ -61,22 +61,6 @@ class TokenLogprobs(NamedTuple):
     entries: dict[int, float]
 
 
-def rows_logprobs(processed: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
-    """Per row of `processed` (logits after bias, masks and penalties, before temperature: the
-    sampler's "processed" logprobs): the logprob of tokens[row] and the row's top `k`."""
-    logprobs = processed.float().log_softmax(dim=-1)
-    rows = torch.arange(len(tokens), device=processed.device)
-    chosen = logprobs[rows, torch.tensor(tokens, device=processed.device)].tolist()
-    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    out = []
-    for i, (ids, vals) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
-        entries = {tokens[i]: chosen[i]}
-        for tid, val in zip(ids, vals):
-            entries.setdefault(tid, val)
-        out.append(TokenLogprobs(entries))
-    return out
-
-
 class SamplerOutput(NamedTuple):
     """Sampled ids plus optional logprobs (processed mode, see module docstring)."""
 
@@ -342,6 +326,32 @@ class Sampler:
         return _with_logprobs(token_ids, processed, batch.max_num_logprobs)
 
 
+def token_logprobs(output: SamplerOutput, ks: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row of a SamplerOutput with logprobs: the chosen token's logprob and the row's top ks[row]
+    (None for a row whose request did not ask)."""
+    assert output.logprobs is not None and output.top_logprob_ids is not None and output.top_logprobs is not None
+    tokens, chosen = output.token_ids.tolist(), output.logprobs.tolist()
+    top_ids, top_vals = output.top_logprob_ids.tolist(), output.top_logprobs.tolist()
+    out: list[TokenLogprobs | None] = []
+    for i, k in enumerate(ks):
+        if k is None:
+            out.append(None)
+            continue
+        entries = {tokens[i]: chosen[i]}
+        for tid, val in zip(top_ids[i][:k], top_vals[i][:k]):
+            entries.setdefault(tid, val)
+        out.append(TokenLogprobs(entries))
+    return out
+
+
+def rows_logprobs(processed: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Per row of `processed` (float32 logits after bias, masks and penalties, before temperature:
+    the sampler's "processed" logprobs): the logprob of tokens[row] and the row's top `k`."""
+    ids = torch.tensor(tokens, dtype=torch.int64, device=processed.device)
+    rows = token_logprobs(_with_logprobs(ids, processed, k), [k] * len(tokens))
+    return [r for r in rows if r is not None]
+
+
 def _with_logprobs(token_ids: torch.Tensor, processed: torch.Tensor, k: int) -> SamplerOutput:
     """Chosen-token and top-k logprobs from the processed (pre-temperature) distribution."""
     logprobs = processed.log_softmax(dim=-1)
@@ -448,6 +458,7 @@ __all__ = [
     "SamplerOutput",
     "TokenLogprobs",
     "rows_logprobs",
+    "token_logprobs",
     "Sampler",
     "SamplingBatch",
     "SamplingRequestState",

@@ -162,7 +162,6 @@ class Speculator:
             self.backoff.setdefault(rid, DraftBackoff()).record(len(item.draft_token_ids), verified.num_accepted[0])
         return Verification(sampled, accepted, logprobs, accepted_logprobs)
 
-
     def _draft_q(self, request_id: str, draft: list[int]) -> torch.Tensor | None:
         """[1, len(draft), V]: the distribution the model proposer drew `draft` from (the scheduler may
         have cut it); None for n-gram drafts (a one-hot q)."""

@@ -40,6 +40,8 @@ class ServerConfig:
             raise ConfigError("max_sequences_per_request and max_stream_backlog must be at least 1")
         if self.kv_role not in (None, "prefill", "decode", "both"):
             raise ConfigError(f"--kv-role must be prefill, decode or both, not {self.kv_role!r}")
+        if self.max_kv_transfer_bytes < 1024:
+            raise ConfigError("--max-kv-transfer-bytes must be at least 1024")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if min(self.drain_timeout_s, self.ready_timeout_s, self.heartbeat_timeout_s) <= 0:

@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "Describe, in two sentences, a lighthous
 @pytest.fixture(scope="module")
 def replicas():
     prefill = ServerProcess("--dtype", "float32", "--kv-role", "prefill")
-    decode = ServerProcess("--dtype", "float32", "--kv-role", "decode")
+    decode = ServerProcess("--dtype", "float32", "--kv-role", "decode", "--max-kv-transfer-bytes", "3000000")
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -56,6 +56,8 @@ def test_wrong_role_bad_body_and_oversize_are_clear_errors(replicas):
     off = httpx.post(decode.url("/v1/kv/export"), json={"prompt_token_ids": [1, 2]}, timeout=30)
     assert off.status_code == 404 and "--kv-role prefill" in off.json()["error"]["message"]
     assert httpx.post(prefill.url("/v1/kv/import"), content=b"x", timeout=30).status_code == 404
+    too_big = httpx.post(decode.url("/v1/kv/import"), content=b"\0" * 3_000_001, timeout=30)
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
     bad = httpx.post(decode.url("/v1/kv/import"), content=b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage", timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "body"
     bad_ids = httpx.post(prefill.url("/v1/kv/export"), json={"prompt_token_ids": [-1]}, timeout=30)
