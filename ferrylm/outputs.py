@@ -63,6 +63,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    detokenize_time: float = 0.0  # seconds the output processor spent detokenizing (the trace's decode span)
     # speculative decoding: steps that verified a draft, draft tokens proposed, and of those accepted
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

@@ -191,7 +191,9 @@ class OutputProcessor:
         stop string ends the request there even if the scheduler finished it at a later token (EOS,
         length): that later token was never generated, so the stop string is the reason."""
         req = state.request
+        started = time.perf_counter()
         delta = state.detokenizer.add_tokens([token])
+        req.metrics.detokenize_time += time.perf_counter() - started
         if delta.stop_reason is not None and not req.is_finished:
             self._finish_request(req.request_id, FinishReason.STOP, delta.stop_reason)
             return delta.text

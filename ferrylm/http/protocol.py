@@ -68,6 +68,9 @@ class SamplingRequest(BaseModel):
     # (json, regex, choice, grammar, json_object, disable_any_whitespace) and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # FerryLM's extension (off by default; OpenAI has no such field): llama.cpp's `timings` object, with
+    # queue and TTFT, in the response (or a stream's last chunk before [DONE])
+    timings: bool | None = False
 
 
 class TextContentPart(BaseModel):
@@ -226,6 +229,14 @@ def _now() -> int:
     return int(time.time())
 
 
+Timings = dict[str, float | int | None]  # llama.cpp's names (observability/request_timeline.py)
+
+
+def _timings_field() -> Any:
+    """`timings`, present only when the request asked for them (`"timings": true`)."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -233,6 +244,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    timings: Timings | None = _timings_field()
 
 
 class ChatCompletionChunk(BaseModel):
@@ -242,6 +254,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = _timings_field()
 
 
 class CompletionResponse(BaseModel):
@@ -253,6 +266,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = _timings_field()
 
 
 class ModelCard(BaseModel):

@@ -14,16 +14,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ferrylm.load_report import LoadReport
+from ferrylm.observability.buckets import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS
+from ferrylm.observability.tenant_metrics import TenantLatency, TenantMetricsConfig
+from ferrylm.observability.throughput import ThroughputWindow
 from ferrylm.outputs import FinishReason, RequestOutput
 
 PREFIX = "ferrylm:"
-# vLLM's buckets, so dashboards built for it read the same.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+THROUGHPUT_WINDOW_S = 10
 
 StatsSource = Callable[[], LoadReport | None]
 
@@ -76,12 +73,32 @@ class EngineStatsCollector(Collector):
         return families
 
 
+class ThroughputCollector(Collector):
+    """`tokens_per_second_per_device`: generated tokens per second over the last THROUGHPUT_WINDOW_S
+    seconds, divided by the devices the replica uses (its tensor-parallel size)."""
+
+    def __init__(self, model_name: str, window: ThroughputWindow, devices: int):
+        self._model_name, self._window, self._devices = model_name, window, devices
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(PREFIX + "tokens_per_second_per_device",
+                                   f"Tokens generated per second over the last {THROUGHPUT_WINDOW_S} s, per device "
+                                   "(divided by --tensor-parallel-size).", labels=["model_name"])
+        family.add_metric([self._model_name], self._window.rate() / self._devices)
+        return [family]
+
+
 class ServerMetrics:
     """All of one server's metrics; `registry` is private to it (tests run several apps per process)."""
 
-    def __init__(self, model_name: str, stats: StatsSource):
+    def __init__(self, model_name: str, stats: StatsSource, tenants: TenantMetricsConfig | None = None,
+                 devices: int = 1):
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        # observed for requests the gateway policy names a tenant for
+        self.tenants = TenantLatency(self.registry, tenants or TenantMetricsConfig(), PREFIX)
+        self.throughput = ThroughputWindow(THROUGHPUT_WINDOW_S)
+        self.registry.register(ThroughputCollector(model_name, self.throughput, devices))
         labels = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
@@ -105,9 +122,10 @@ class ServerMetrics:
 class SequenceTimer:
     """Latency bookkeeping for one engine request (one of a response's n sequences)."""
 
-    def __init__(self, metrics: ServerMetrics, start: float):
+    def __init__(self, metrics: ServerMetrics, start: float, tenant: str | None = None):
         self._metrics = metrics
         self._start = start
+        self._tenant = tenant  # the gateway's principal: per-tenant histograms too
         self._last_token: float | None = None
         self.done = False
 
@@ -116,12 +134,17 @@ class SequenceTimer:
         now = time.monotonic() if now is None else now
         new_tokens = len(out.outputs[0].token_ids_delta)
         if new_tokens:
+            self._metrics.throughput.add(new_tokens, now)
             if self._last_token is None:
                 self._metrics.ttft.observe(now - self._start)
+                if self._tenant is not None:
+                    self._metrics.tenants.ttft(self._metrics.model_name, self._tenant, now - self._start)
             else:
                 gap = (now - self._last_token) / new_tokens
                 for _ in range(new_tokens):
                     self._metrics.itl.observe(gap)
+                if self._tenant is not None:
+                    self._metrics.tenants.itl(self._metrics.model_name, self._tenant, gap, new_tokens)
             self._last_token = now
         if out.finished:
             self._finish(out.outputs[0].finish_reason or FinishReason.STOP, now)
@@ -136,4 +159,6 @@ class SequenceTimer:
     def _finish(self, reason: FinishReason, now: float) -> None:
         self.done = True
         self._metrics.e2e.observe(now - self._start)
+        if self._tenant is not None:
+            self._metrics.tenants.e2e(self._metrics.model_name, self._tenant, now - self._start)
         self._metrics.count_finished(reason)

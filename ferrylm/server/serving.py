@@ -30,6 +30,7 @@ from ferrylm.http.protocol import (
     FinishReasonStr,
     UsageInfo,
 )
+from ferrylm.observability.request_timeline import RequestTimeline
 from ferrylm.outputs import FinishReason, RequestOutput, Usage
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.logprobs import chat_logprobs, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
@@ -52,6 +53,7 @@ class ResponseContext:
     echo: list[str] | None = None  # completions with echo: each prompt's text
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs on /v1/completions: alternatives per token
     tools: ToolPlan | None = None  # chat with tool calling: the output is parsed into tool_calls
+    timings: bool = False  # the request's `"timings": true`: llama.cpp's timings object at the end
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.monotonic)
 
@@ -80,6 +82,14 @@ def log_finished(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutpu
         "request_id": ctx.request_id, "stream": stream, "finish_reasons": [_reason(f) for f in finals],
         "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
         "seconds": round(time.monotonic() - ctx.start, 4)})
+
+
+def timings(ctx: ResponseContext, finals: list[RequestOutput]) -> dict | None:
+    """The `timings` object when the request asked for it (None otherwise, and left out)."""
+    if not ctx.timings:
+        return None
+    timeline = RequestTimeline.of(ctx.start, finals)
+    return timeline.timings() if timeline is not None else None
 
 
 async def collect(fanout: Fanout) -> list[RequestOutput]:
@@ -112,7 +122,7 @@ def chat_response(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutp
                                   logprobs=lp, finish_reason=_tool_reason(out, calls)))
     log_finished(ctx, fanout, finals, stream=False)
     return ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
-                                  usage=usage(fanout, finals))
+                                  usage=usage(fanout, finals), timings=timings(ctx, finals))
 
 
 def _tool_reason(out: RequestOutput, calls: list) -> FinishReasonStr | None:
@@ -165,9 +175,12 @@ async def _chat_events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[s
 
 
 def _closing_events(ctx: ResponseContext, fanout: Fanout, usage_chunk: Callable) -> list[str]:
-    """After every choice finished: the usage chunk when asked for, and the request's log line."""
+    """After every choice finished: the usage chunk when asked for (carrying `timings` when asked
+    for too; alone, they come in a chunk of their own), and the request's log line."""
     finals = fanout.finals()
-    events = [sse(usage_chunk(usage(fanout, finals)))] if ctx.include_usage else []
+    closing = usage_chunk(usage(fanout, finals) if ctx.include_usage else None)
+    closing.timings = timings(ctx, finals)
+    events = [sse(closing)] if ctx.include_usage or closing.timings is not None else []
     log_finished(ctx, fanout, finals, stream=True)
     return events
 
@@ -221,7 +234,7 @@ def completion_response(ctx: ResponseContext, fanout: Fanout, finals: list[Reque
                                         prompt_logprobs=plp))
     log_finished(ctx, fanout, finals, stream=False)
     return CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
-                              usage=usage(fanout, finals))
+                              usage=usage(fanout, finals), timings=timings(ctx, finals))
 
 
 def _completion_chunk(ctx: ResponseContext, index: int, out: RequestOutput, sent: dict[int, int]) -> str | None:
