@@ -147,6 +147,9 @@ def _add_gateway_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-db", default=os.environ.get("FERRYLM_STATE_DB", "sqlite:///ferrylm-state.db"),
                    help="SQLAlchemy URL for tenants, keys, usage and audit")
     g.add_argument("--redis-url", default=None, help="share rate limits between gateway replicas")
+    g.add_argument("--rate-limit-failure-mode", choices=("closed", "open"), default="closed",
+                   help="when the limit store (Redis) is unreachable: closed = 503 with Retry-After, "
+                        "open = admit without the shared limits (logged, counted)")
     g.add_argument("--jwt-secret", default=os.environ.get("FERRYLM_JWT_SECRET"), help="accept HS256 JWTs")
     g.add_argument("--jwt-public-key", default=None, help="PEM file: accept RS256/ES256 JWTs")
     g.add_argument("--jwks-file", default=None, help="JWKS file: accept RS256/ES256 JWTs")
@@ -177,7 +180,7 @@ def gateway_config_from_args(args: argparse.Namespace):
     from ferrylm.gateway.config import AdmissionConfig
 
     return GatewayConfig(require_auth=args.require_auth, state_db=args.state_db, jwt=jwt, redis_url=args.redis_url,
-                         audit_prompts=args.audit_prompts,
+                         rate_limit_failure_mode=args.rate_limit_failure_mode, audit_prompts=args.audit_prompts,
                          admission=AdmissionConfig(enabled=not getattr(args, "no_admission_control", False)))
 
 

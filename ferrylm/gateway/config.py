@@ -107,6 +107,9 @@ class GatewayConfig:
     jwt: JWTConfig | None = None
     redis_url: str | None = None  # None: rate limits live in this process only
     redis_key_prefix: str = "ferrylm:rl:"
+    # When the limit store (Redis) cannot be reached: "closed" answers 503 + Retry-After (no request
+    # runs unmetered), "open" admits without the shared limits (serving beats metering). Never a 500.
+    rate_limit_failure_mode: str = "closed"
     audit_prompts: bool = False  # store prompt text in the audit log (off: counts only)
     audit_rejections: bool = True  # audit 403/429/503 answers to known tenants too
     anonymous_tenant: str = "anonymous"
@@ -115,3 +118,5 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.state_db:
             raise ConfigError("state_db must be a SQLAlchemy URL")
+        if self.rate_limit_failure_mode not in ("open", "closed"):
+            raise ConfigError("rate_limit_failure_mode must be 'open' or 'closed'")

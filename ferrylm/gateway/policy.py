@@ -123,6 +123,7 @@ class Gateway:
         self.store = store or Store(config.state_db, self._clock)
         self.authenticator = Authenticator(self.store, config.jwt, self._clock)
         self.limiter = RateLimiter(bucket_storage or _make_storage(config, clock))
+        self.limiter_failures = 0  # limit-store errors seen (each answered per rate_limit_failure_mode)
         self.concurrency = ConcurrencyLimiter()
         self.daily = DailyQuota(self.store, self._clock)
         self.admission = AdmissionController(config.admission)
@@ -275,6 +276,10 @@ class Gateway:
         try:
             result = self.limiter.reserve(scopes, tokens, requests)
         except Exception:
+            self.limiter_failures += 1
+            if self.config.rate_limit_failure_mode == "open":
+                log.warning("rate limiter storage failed; admitting unmetered (fail-open)", exc_info=True)
+                return RateLimitResult(True)  # no reservation: nothing to settle
             log.exception("rate limiter storage failed")
             raise APIError(503, "Rate limiting is unavailable; please retry shortly.", code="rate_limiter_unavailable",
                            type_="server_error", headers={"Retry-After": "1"}) from None
