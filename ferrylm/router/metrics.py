@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ferrylm.observability.metrics import TTFT_BUCKETS
+from ferrylm.observability.buckets import TTFT_BUCKETS
+from ferrylm.observability.tenant_metrics import TenantLatency, TenantMetricsConfig
 
 PREFIX = "ferrylm:router_"
 
@@ -53,9 +54,11 @@ class ReplicaCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, registry) -> None:
+    def __init__(self, registry, tenants: TenantMetricsConfig | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # ferrylm:tenant_*{model_name=<group>, tenant}: the same names `ferrylm serve` uses
+        self.tenants = TenantLatency(r, tenants or TenantMetricsConfig())
         self.requests = Counter(PREFIX + "requests", "Requests answered, by model group and status.",
                                 ["model_group", "status"], registry=r)
         self.decisions = Counter(PREFIX + "routing_decisions", "Replica choices, by policy and reason "

@@ -6,6 +6,7 @@ replica fails mid-stream the client gets an explicit error event and [DONE], nev
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ import httpx
 
 from ferrylm.router.dispatch import Dispatch
 from ferrylm.router.metrics import RouterMetrics
+from ferrylm.router.observation import GatewayObservation
 from ferrylm.router.replica import Replica
 from ferrylm.router.sse import DONE, Event, error_event
 
@@ -28,14 +30,24 @@ def _error_status(error: dict) -> int:
     return 503 if error.get("code") == "engine_dead" else 500
 
 
+def _without_usage(event: Event) -> bytes | None:
+    """The usage chunk the client did not ask for: dropped, unless it also carries the `timings`
+    the client did ask for (then it goes on with `usage: null`)."""
+    if not event.data or event.data.get("timings") is None:
+        return None
+    return f"data: {json.dumps(event.data | {'usage': None})}\n\n".encode()
+
+
 class StreamRelay:
     """An async iterator of bytes for SSEResponse; closing it (client gone) closes the upstream
     connection, which makes the replica abort the request and free its KV blocks. A class, not an
     async generator, so that closing it settles even if it was never started."""
 
     def __init__(self, d: Dispatch, wants_usage: bool, settle: Settle, metrics: RouterMetrics,
-                 on_failure: Callable[[Replica], None], on_done: Callable[["StreamRelay"], None] = lambda _: None):
+                 on_failure: Callable[[Replica], None], on_done: Callable[["StreamRelay"], None] = lambda _: None,
+                 observation: GatewayObservation | None = None):
         self._d, self._wants_usage, self._settle_cb, self._on_done = d, wants_usage, settle, on_done
+        self._observation = observation  # per-tenant TTFT / ITL, the gateway's span
         self._aborted = False
         self._metrics, self._on_failure = metrics, on_failure
         self._faulted = False  # this stream's replica fault is counted (once) toward its breaker
@@ -47,6 +59,7 @@ class StreamRelay:
         self._usage: dict | None = None
         self._status = 200
         self._first_seen = False
+        self._head_token_pending = d.first_token_at is not None  # the head's token event, not yet relayed
         self._finished = False  # [DONE] passed (or an error event and [DONE] sent)
         self._tail: list[bytes] = []
         self._settled = False
@@ -115,6 +128,8 @@ class StreamRelay:
         self._d.replica.observe_ttft(ttft)
         self._metrics.ttft.labels(self._d.group.name).observe(ttft)
         self._d.ticket.first_token()
+        if self._observation is not None:
+            self._observation.first_token(at)
 
     def _account(self, event: Event, is_token: bool) -> bytes | None:
         if event.done:
@@ -123,6 +138,10 @@ class StreamRelay:
         if is_token:
             if not self._first_seen:
                 self._on_first_token(time.monotonic())
+            elif self._head_token_pending:  # its time is the first token's, taken when it was read
+                self._head_token_pending = False
+            elif self._observation is not None:
+                self._observation.tokens(event.tokens)
             self._completion += event.tokens
             self._d.ticket.generated(event.tokens)
         if event.error:
@@ -132,7 +151,7 @@ class StreamRelay:
         if event.usage is not None:
             self._usage = event.usage
             if not self._wants_usage:
-                return None
+                return _without_usage(event)
         return event.raw
 
     async def aclose(self) -> None:
