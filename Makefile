@@ -8,6 +8,7 @@ STAMP := $(VENV)/.ferrylm-installed
 
 $(STAMP): pyproject.toml Makefile
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)  # shared rate limits
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)  # headless dashboard tests
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# --no-compile: no .pyc for every file of every package at install (minutes of CPU on 2 cores);

@@ -39,6 +39,10 @@ class LoadReport:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+    # batch composition (cumulative): tokens scheduled as prefill / as decode, and the steps that ran them
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+    num_steps_total: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -17,6 +17,7 @@ from ferrylm.load_report import LoadReport
 from ferrylm.outputs import FinishReason, RequestOutput, RequestOutputKind
 from ferrylm.request_limits import check_prompt_ids, check_token_ids, resolve_max_tokens
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
+from ferrylm.scheduler_output import SchedulerOutput
 from ferrylm.tokenizer import Tokenizer
 
 
@@ -49,6 +50,7 @@ class Engine:
         self.output_processor = OutputProcessor(tokenizer, self.scheduler.finish_request)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.prefill_tokens_total, self.decode_tokens_total, self.num_steps_total = 0, 0, 0  # batch composition
         self.grammars = grammars if grammars is not None else self._default_grammars(tokenizer)
         self._compiling: list[Request] = []  # requests whose grammar was not compiled when they arrived
         self.tp_ranks: Any = None  # tp_worker.SpawnedRanks when this engine spawned tensor-parallel ranks
@@ -212,12 +214,25 @@ class Engine:
             if pending:  # idle until a grammar is ready instead of spinning
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
             return failed
+        self._count_batch(sched)
         result = self.runner.execute(sched)
         updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)
         self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
         return failed + self.output_processor.process(updated, result.logprobs,
                                                       prompt_logprobs=result.prompt_logprobs,
                                                       accepted_logprobs=getattr(result, "accepted_logprobs", None))
+
+    def _count_batch(self, sched: SchedulerOutput) -> None:
+        """Prefill vs decode tokens of this step (a decode row: one token past the prompt, plus its draft)."""
+        for s in sched.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            decode = (len(s.token_ids) == 1 + len(s.draft_token_ids) and request is not None
+                      and s.num_computed_tokens >= request.num_prompt_tokens)
+            if decode:
+                self.decode_tokens_total += len(s.token_ids)
+            else:
+                self.prefill_tokens_total += len(s.token_ids)
+        self.num_steps_total += 1
 
     def stats(self) -> LoadReport:
         s, waiting, running = self.scheduler.stats(), self.scheduler.waiting, self.scheduler.running
@@ -234,6 +249,8 @@ class Engine:
             num_waiting_certain_output_tokens=sum(_certain_output_left(r) for r in waiting),
             num_running_certain_output_tokens=sum(_certain_output_left(r) for r in running),
             max_num_seqs=self.config.scheduler.max_num_seqs,
+            prefill_tokens_total=self.prefill_tokens_total, decode_tokens_total=self.decode_tokens_total,
+            num_steps_total=self.num_steps_total,
             spec_decode_num_drafts=s.spec.num_drafts, spec_decode_num_draft_tokens=s.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(s.spec.accepted_per_pos))

@@ -33,11 +33,15 @@ from ferrylm.http.protocol import (
 )
 from ferrylm.http.responses_protocol import ResponsesRequest, as_chat_request
 from ferrylm.load_report import LoadReport
+from ferrylm.observability.dashboard.readings import gateway_reader
+from ferrylm.observability.dashboard.routes import dashboard_router
+from ferrylm.observability.dashboard.sampler import DashboardSampler
 from ferrylm.outputs import Usage
 from ferrylm.router import prompt_info
 from ferrylm.router.config import GatewayServerConfig
 from ferrylm.router.dispatch import Dispatcher
 from ferrylm.router.inflight import InFlight
+from ferrylm.router.metrics import PREFIX as ROUTER_PREFIX
 from ferrylm.router.metrics import RouterMetrics
 from ferrylm.router.policies import RouteContext
 from ferrylm.router.poller import HealthPoller
@@ -60,6 +64,10 @@ class GatewayState:
         self.config = config
         self.registry = ReplicaRegistry(config.router)
         self.metrics = RouterMetrics(self.registry)
+        ttft = ROUTER_PREFIX + "time_to_first_token_seconds"
+        self.dashboard = DashboardSampler(
+            gateway_reader(self.registry.replicas, self.metrics.registry, ttft), "gateway",
+            notes={"itl": "not measured by the gateway: each replica's /dashboard shows it"})
         self.drain = DrainController()
         self.fatal = asyncio.Event()
         self.gateway = None
@@ -84,11 +92,13 @@ class GatewayState:
         self.poller = HealthPoller(self.registry, r, self.client)
         await self.poller.poll_once()
         self.poller.start()
+        self.dashboard.start()
         tokenizers = asyncio.create_task(self._load_tokenizers())
         try:
             yield
         finally:
             tokenizers.cancel()
+            await self.dashboard.stop()
             await self.poller.stop()
             await self.client.aclose()
             if self.gateway is not None:
@@ -373,12 +383,18 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok" if ok else "no healthy upstream"}, status_code=200 if ok else 503)
 
 
+async def ops_auth(request: Request) -> None:
+    """/metrics' rule, also for /dashboard/data (both name the internal replica URLs)."""
+    state = _state(request)
+    if state.config.metrics_require_auth:
+        await require_credential(request.headers, None, state.gateway)
+
+
 async def metrics(request: Request) -> Response:
     """Prometheus text. Its `replica` labels name the internal replica URLs, so
     --metrics-require-auth asks for a credential here (open by default, for scrapers)."""
     state = _state(request)
-    if state.config.metrics_require_auth:
-        await require_credential(request.headers, None, state.gateway)
+    await ops_auth(request)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -399,4 +415,5 @@ def build_gateway_app(config: GatewayServerConfig) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.include_router(dashboard_router(lambda request: _state(request).dashboard, ops_auth))
     return app

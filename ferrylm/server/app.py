@@ -41,6 +41,7 @@ from ferrylm.http.protocol import (
     VersionResponse,
 )
 from ferrylm.http.responses_protocol import ResponsesRequest, as_chat_request, in_responses_terms
+from ferrylm.observability.dashboard.routes import dashboard_router
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.server import gatekeeping, inputs, kv_routes, prompts, responses, serving, structured, tokenize
@@ -259,9 +260,15 @@ async def load(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     """Prometheus text; open unless --metrics-require-auth (then /v1's credential, 401 without)."""
     state = _state(request)
+    await ops_auth(request)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def ops_auth(request: Request) -> None:
+    """/metrics' rule, also for /dashboard/data: open unless --metrics-require-auth."""
+    state = _state(request)
     if state.config.metrics_require_auth:
         await require_credential(request.headers, state.config.api_key, state.gateway)
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def debug_stall(request: Request, seconds: float) -> dict:
@@ -342,6 +349,7 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> Fas
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/load", load, methods=["GET"])
+    app.include_router(dashboard_router(lambda request: _state(request).dashboard, ops_auth))
     if config.test_hooks:
         app.add_api_route("/debug/stall", debug_stall, methods=["POST"])
     return app

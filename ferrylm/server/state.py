@@ -15,10 +15,12 @@ from ferrylm.engine.engine import Engine
 from ferrylm.http.drain import DrainController
 from ferrylm.http.errors import APIError
 from ferrylm.load_report import LoadReport
+from ferrylm.observability.dashboard.readings import server_reader
+from ferrylm.observability.dashboard.sampler import DashboardSampler, Health
 from ferrylm.observability.metrics import ServerMetrics
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.server.config import ServerConfig
-from ferrylm.server.health import ReadinessProbe
+from ferrylm.server.health import ReadinessProbe, liveness
 
 log = logging.getLogger("ferrylm.server")
 WARMUP_TIMEOUT_S = 300.0
@@ -37,6 +39,7 @@ class ServerState:
         self.fatal = asyncio.Event()  # set when the server cannot work and should exit
         self.drain = DrainController()
         self.metrics = ServerMetrics(config.model_name, self._stats)
+        self.dashboard = DashboardSampler(server_reader(self._stats, self.metrics.registry, self.health_now), "serve")
         self._load_task: asyncio.Task | None = None
         self.gateway = None
         if config.gateway is not None:
@@ -50,10 +53,12 @@ class ServerState:
     @asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
         self._load_task = asyncio.create_task(self._load())
+        self.dashboard.start()
         try:
             yield
         finally:
             self._load_task.cancel()
+            await self.dashboard.stop()
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.shutdown)
             if self.gateway is not None:
@@ -90,6 +95,14 @@ class ServerState:
                     pass
         finally:
             await stream.aclose()
+
+    def health_now(self) -> Health:
+        """Liveness and readiness as the dashboard shows them (from state; /ready's probe request is not sent)."""
+        live = liveness(self.engine, self.config.heartbeat_timeout_s)
+        state = ("draining" if self.drain.draining else f"load failed: {self.load_error}" if self.load_error
+                 else "loading" if not self.ready else live.reason)
+        return Health("this server", state, state == "ok", {"live": live.ok, "ready": state == "ok",
+                                                            "model": self.config.model_name})
 
     def admit(self) -> AsyncEngine:
         """The engine for a new request, or a 503 while loading, draining or dead."""
