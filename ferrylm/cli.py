@@ -128,6 +128,31 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=float, default=15.0,
                    help="seconds an idle keep-alive connection stays open between requests")
     g.add_argument("--timeout-headers", type=float, default=10.0,
+    _add_observability_args(p)
+
+
+def _add_observability_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("observability (traces, per-tenant metrics)")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="send OpenTelemetry traces over OTLP to this URL (vLLM's flag; protocol from "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: grpc (default) or http/protobuf; OTEL_SERVICE_NAME)")
+    g.add_argument("--metrics-tenants", nargs="+", default=(), metavar="TENANT",
+                   help="tenants with their own per-tenant latency series; every other tenant is `other`")
+    g.add_argument("--max-metrics-tenants", type=int, default=20,
+                   help="without --metrics-tenants: the first N tenants seen get a series, later ones `other`")
+
+
+def observability_from_args(args: argparse.Namespace, service: str):
+    """(TracingConfig or None, TenantMetricsConfig) from the flags and the standard OTEL_* variables."""
+    from ferrylm.observability.tenant_metrics import TenantMetricsConfig
+    from ferrylm.observability.tracing import TracingConfig
+
+    tracing = None
+    if args.otlp_traces_endpoint is not None:
+        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        tracing = TracingConfig(args.otlp_traces_endpoint, os.environ.get("OTEL_SERVICE_NAME") or service,
+                                protocol or "grpc")
+    return tracing, TenantMetricsConfig(tuple(args.metrics_tenants), args.max_metrics_tenants)
                    help="seconds a client may take to send a request's headers; slower ones are closed")
     g.add_argument("--limit-concurrency", type=int, default=1024,
                    help="open connections (or requests in flight) beyond which requests get 503")
@@ -201,6 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         place = from_torchrun(engine_config.tensor_parallel_size)
         if place is not None and place.rank > 0:
+        tracing, tenant_metrics = observability_from_args(args, "ferrylm-serve")
             worker_loop(engine_config, place)
             return 0
     if engine_config.speculative is not None:  # a draft that cannot work with the model: a usage error now
@@ -219,7 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
         gateway=gateway_config_from_args(args), metrics_require_auth=args.metrics_require_auth,
         connections=connection_limits_from_args(args), kv_role=args.kv_role,
-        max_kv_transfer_bytes=args.max_kv_transfer_bytes)
+        max_kv_transfer_bytes=args.max_kv_transfer_bytes, tracing=tracing, tenant_metrics=tenant_metrics,
+        tensor_parallel_size=engine_config.tensor_parallel_size)
     return run_server(config, lambda: Engine.from_config(engine_config))
 
 
@@ -254,6 +281,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from ferrylm.router.config import GatewayServerConfig, load_router_config
     from ferrylm.router.launcher import run_gateway
 
+    _add_observability_args(p)
     try:
         router = load_router_config(args.router_config, args.upstream, default_model=args.model, policy=args.policy,
                                     prefill_flags=args.prefill_upstream,
@@ -266,8 +294,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     config = GatewayServerConfig(router=router, gateway=gateway_config_from_args(args), host=args.host,
                                  port=args.port, max_body_bytes=args.max_body_bytes,
                                  drain_timeout_s=args.drain_timeout, log_level=args.log_level,
-                                 metrics_require_auth=args.metrics_require_auth, connections=connections)
+                                 metrics_require_auth=args.metrics_require_auth, connections=connections,
+                                 tracing=tracing, tenant_metrics=tenant_metrics)
     return run_gateway(config)
+        tracing, tenant_metrics = observability_from_args(args, "ferrylm-gateway")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -36,6 +37,7 @@ from ferrylm.load_report import LoadReport
 from ferrylm.observability.dashboard.readings import gateway_reader
 from ferrylm.observability.dashboard.routes import dashboard_router
 from ferrylm.observability.dashboard.sampler import DashboardSampler
+from ferrylm.observability.tracing import Tracing
 from ferrylm.outputs import Usage
 from ferrylm.router import prompt_info
 from ferrylm.router.config import GatewayServerConfig
@@ -43,6 +45,7 @@ from ferrylm.router.dispatch import Dispatcher
 from ferrylm.router.inflight import InFlight
 from ferrylm.router.metrics import PREFIX as ROUTER_PREFIX
 from ferrylm.router.metrics import RouterMetrics
+from ferrylm.router.observation import GatewayObservation
 from ferrylm.router.policies import RouteContext
 from ferrylm.router.poller import HealthPoller
 from ferrylm.router.registry import ModelGroup, ReplicaRegistry
@@ -60,10 +63,11 @@ PASSED_HEADERS = ("retry-after", "retry-after-ms", "www-authenticate")  # from a
 class GatewayState:
     """Everything one gateway process owns: registry, poller, HTTP client, policy layer, metrics."""
 
-    def __init__(self, config: GatewayServerConfig):
+    def __init__(self, config: GatewayServerConfig, span_exporter: Any = None):
         self.config = config
         self.registry = ReplicaRegistry(config.router)
-        self.metrics = RouterMetrics(self.registry)
+        self.metrics = RouterMetrics(self.registry, config.tenant_metrics)
+        self.tracing = Tracing.create(config.tracing, span_exporter)  # None: tracing off
         ttft = ROUTER_PREFIX + "time_to_first_token_seconds"
         self.dashboard = DashboardSampler(
             gateway_reader(self.registry.replicas, self.metrics.registry, ttft), "gateway",
@@ -103,6 +107,8 @@ class GatewayState:
             await self.client.aclose()
             if self.gateway is not None:
                 self.gateway.close()
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans still queued
 
     async def _load_tokenizers(self) -> None:
         for group in self.registry.groups.values():
@@ -173,8 +179,8 @@ async def _route_context(state: GatewayState, group: ModelGroup,
 class _Settlement:
     """Finishes the gateway admission (limits, quota, audit) with the usage the response reported."""
 
-    def __init__(self, state: GatewayState, admission, ctx: RouteContext):
-        self._state, self._admission, self._ctx = state, admission, ctx
+    def __init__(self, state: GatewayState, admission, ctx: RouteContext, observation: GatewayObservation):
+        self._state, self._admission, self._ctx, self._observation = state, admission, ctx, observation
         self._started = time.monotonic()
 
     def _unreported_prompt(self, status: int) -> int:
@@ -183,6 +189,7 @@ class _Settlement:
         return 0 if 400 <= status < 499 else self._ctx.billed_prompt_tokens
 
     async def __call__(self, status: int, prompt: int | None, completion: int) -> None:
+        self._observation.end(status, prompt, completion)
         gateway = self._state.gateway
         if self._admission is not None and gateway is not None:
             await gateway.finish(self._admission, status,
@@ -215,6 +222,7 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
                           waiting: InFlight) -> Response:
     gateway, dispatcher = state.gateway, state.dispatcher
     assert dispatcher is not None  # set by the lifespan before any request
+    started = time.monotonic()
     client = request.client.host if request.client else None
     principal = charge = None
     if gateway is not None:
@@ -235,21 +243,25 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
                                               ctx.expected_output, state.group_load(group), request_id=request_id,
                                               principal=principal, num_sequences=ctx.num_sequences,
                                               request_charge=charge)
-    settle = _Settlement(state, admission, ctx)
+    observation = GatewayObservation(state.tracing, state.metrics, request.headers, group.name,
+                                     admission.principal.tenant if admission is not None else None, request_id, started)
+    settle = _Settlement(state, admission, ctx, observation)
     priority = admission.priority if admission is not None and gateway is not None and gateway.config.require_auth \
         else None
     headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
+    observation.inject(headers)
     status: int | None = 500
     try:
         d = await cancel_on_disconnect(request, waiting.guard(dispatcher.dispatch(
             group, path, _upstream_body(body, req, priority, responses), headers, ctx, bool(req.stream))))
         extra = admission.response_headers if admission is not None else {}
+        observation.replica(d.replica.url)
         if state.config.router.expose_upstream:
             extra["X-FerryLM-Upstream"] = d.replica.url
         if req.stream and d.response.status_code == 200:
             wants_usage = responses or bool(req.stream_options and req.stream_options.include_usage)
             relay = StreamRelay(d, wants_usage, settle,
-                                state.metrics, dispatcher.record_failure, state.drain.discard)
+                                state.metrics, dispatcher.record_failure, state.drain.discard, observation)
             state.drain.add(relay)
             status = None  # the relay settles
             return SSEResponse(relay, headers=SSE_HEADERS | extra)
@@ -398,8 +410,9 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def build_gateway_app(config: GatewayServerConfig) -> FastAPI:
-    state = GatewayState(config)
+def build_gateway_app(config: GatewayServerConfig, span_exporter: Any = None) -> FastAPI:
+    """`span_exporter` (an OpenTelemetry SpanExporter) turns tracing on without an OTLP endpoint (tests)."""
+    state = GatewayState(config, span_exporter)
     app = FastAPI(title="FerryLM gateway", version="0.1.0", lifespan=state.lifespan)
     app.state.ferry = state
     app.add_middleware(RequestIdMiddleware)

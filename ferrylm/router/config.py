@@ -10,6 +10,8 @@ from ferrylm.config import ConfigError
 from ferrylm.gateway.config import GatewayConfig
 from ferrylm.gateway.ops_auth import check_credential_sources
 from ferrylm.http.config import ConnectionLimits
+from ferrylm.observability.tenant_metrics import TenantMetricsConfig
+from ferrylm.observability.tracing import TracingConfig
 
 POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "latency", "disaggregated")
 
@@ -165,6 +167,8 @@ class GatewayServerConfig:
     log_level: str = "info"
     connections: ConnectionLimits = ConnectionLimits()  # keep-alive / header timeouts, connection cap
     metrics_require_auth: bool = False  # /metrics (replica URLs in its labels) takes a credential
+    tracing: TracingConfig | None = None  # --otlp-traces-endpoint: OpenTelemetry spans over OTLP (None: off)
+    tenant_metrics: TenantMetricsConfig = TenantMetricsConfig()  # which tenants get their own latency series
 
     def __post_init__(self) -> None:
         check_credential_sources(self.metrics_require_auth, None, self.gateway is not None)

@@ -51,6 +51,7 @@ from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
 from ferrylm.server.serving import ResponseContext
+from ferrylm.server.request_trace import RequestTrace, TracedStream
 from ferrylm.server.state import ServerState
 from ferrylm.server.tools import ToolPlan
 from ferrylm.version import package_version
@@ -71,12 +72,12 @@ def _request_id(request: Request, prefix: str) -> str:
 
 
 async def _start(state: ServerState, engine: EngineClient, ctx: ResponseContext, prompts: list[list[int]],
-                 params: SamplingParams, req: SamplingRequest, priority: int) -> Fanout:
+                 params: SamplingParams, req: SamplingRequest, priority: int, tenant: str | None = None) -> Fanout:
     log.info("request", extra={"request_id": ctx.request_id, "model": ctx.model, "n": params.n,
                                "prompt_tokens": [len(p) for p in prompts], "max_tokens": params.max_tokens,
                                "stream": bool(req.stream), "user": req.user})
     fanout = Fanout(engine, ctx.request_id, prompts, params, priority,
-                    observer_factory=lambda: SequenceTimer(state.metrics, ctx.start), registry=state.drain,
+                    observer_factory=lambda: SequenceTimer(state.metrics, ctx.start, tenant), registry=state.drain,
                     max_backlog=state.config.max_stream_backlog if req.stream else None)
     try:
         await fanout.start()
@@ -96,14 +97,21 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
                                         engine.model_info.max_model_len)
     headers = admission.response_headers if admission is not None else {}
     try:
+    tenant = admission.principal.tenant if admission is not None else None
+    trace = RequestTrace(state.tracing, request.headers, ctx.request_id, ctx.model, ctx.start, params, tenant) \
+        if state.tracing is not None else None
         fanout = await _start(state, engine, ctx, prompts, params, req,
-                              gatekeeping.priority(state, admission, req.priority))
+                              gatekeeping.priority(state, admission, req.priority), tenant)
     except APIError as e:
         await gatekeeping.finish(state, admission, e.status, None, started)
         raise
+        if trace is not None:
+            trace.end(e.status, None)
     if req.stream:
         events = gatekeeping.finishing(streamer(ctx, fanout), state, admission, fanout, started)
         return SSEResponse(events, headers=SSE_HEADERS | headers)
+        if trace is not None:
+            events = TracedStream(events, lambda status: trace.end(status, fanout))
     status = 500
     try:
         finals = await cancel_on_disconnect(request, serving.collect(fanout))
@@ -118,6 +126,8 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
     finally:
         await gatekeeping.finish(state, admission, status, fanout, started)
     return JSONResponse(shaper(ctx, fanout, finals).model_dump(), headers=headers)
+        if trace is not None:
+            trace.end(status, fanout)
 
 
 async def _chat_inputs(engine: EngineClient, req: ChatCompletionRequest, what: str
@@ -144,7 +154,8 @@ async def chat_completions(request: Request) -> Response:
     check_num_sequences(1, req.n or 1, state.config.max_sequences_per_request)
     params, tool_plan, prompt = await _chat_inputs(engine, req, "messages")
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
-                          bool(req.stream_options and req.stream_options.include_usage), tools=tool_plan)
+                          bool(req.stream_options and req.stream_options.include_usage), tools=tool_plan,
+                          timings=bool(req.timings))
     return await _serve(request, state, engine, ctx, [prompt], params, req, serving.stream_chat,
                         serving.chat_response)
 
@@ -168,7 +179,7 @@ async def completions(request: Request) -> Response:
             for p in prompt_ids] if req.echo else None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage), echo,
-                          prompt_logprobs=req.prompt_logprobs)
+                          prompt_logprobs=req.prompt_logprobs, timings=bool(req.timings))
     return await _serve(request, state, engine, ctx, prompt_ids, params, req, serving.stream_completion,
                         serving.completion_response)
 
@@ -313,9 +324,10 @@ def json_body_openapi(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def build_app(config: ServerConfig, engine_factory: Callable[[], Engine]) -> FastAPI:
-    """An app serving one model; the engine is built by `engine_factory` in the background at startup."""
-    state = ServerState(config, engine_factory)
+def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_exporter: Any = None) -> FastAPI:
+    """An app serving one model; the engine is built by `engine_factory` in the background at startup.
+    `span_exporter` (an OpenTelemetry SpanExporter) turns tracing on without an OTLP endpoint (tests)."""
+    state = ServerState(config, engine_factory, span_exporter)
     app = FastAPI(title="FerryLM", version="0.1.0", lifespan=state.lifespan)
     app.state.ferry = state
     app.add_middleware(RequestIdMiddleware)

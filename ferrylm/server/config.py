@@ -8,6 +8,8 @@ from ferrylm.config import ConfigError
 from ferrylm.gateway.config import GatewayConfig
 from ferrylm.gateway.ops_auth import check_credential_sources
 from ferrylm.http.config import ConnectionLimits
+from ferrylm.observability.tenant_metrics import TenantMetricsConfig
+from ferrylm.observability.tracing import TracingConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class ServerConfig:
     connections: ConnectionLimits = ConnectionLimits()  # keep-alive / header timeouts, connection cap
     kv_role: str | None = None  # --kv-role: prefill (serves /v1/kv/export), decode (/v1/kv/import), both
     max_kv_transfer_bytes: int = 1 << 30  # a /v1/kv/import body larger than this gets 413
+    tracing: TracingConfig | None = None  # --otlp-traces-endpoint: OpenTelemetry spans over OTLP (None: off)
+    tenant_metrics: TenantMetricsConfig = TenantMetricsConfig()  # which tenants get their own latency series
+    tensor_parallel_size: int = 1  # devices the engine uses: tokens_per_second_per_device divides by it
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -18,6 +19,7 @@ from ferrylm.load_report import LoadReport
 from ferrylm.observability.dashboard.readings import server_reader
 from ferrylm.observability.dashboard.sampler import DashboardSampler, Health
 from ferrylm.observability.metrics import ServerMetrics
+from ferrylm.observability.tracing import Tracing
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.health import ReadinessProbe, liveness
@@ -29,7 +31,7 @@ WARMUP_TIMEOUT_S = 300.0
 class ServerState:
     """Loads the engine in the background (the server answers /health and 503s meanwhile)."""
 
-    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Engine]):
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Engine], span_exporter: Any = None):
         self.config = config
         self._engine_factory = engine_factory
         self.engine: AsyncEngine | None = None
@@ -38,7 +40,9 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.fatal = asyncio.Event()  # set when the server cannot work and should exit
         self.drain = DrainController()
-        self.metrics = ServerMetrics(config.model_name, self._stats)
+        self.metrics = ServerMetrics(config.model_name, self._stats, config.tenant_metrics,
+                                     config.tensor_parallel_size)
+        self.tracing = Tracing.create(config.tracing, span_exporter)  # None: tracing off
         self.dashboard = DashboardSampler(server_reader(self._stats, self.metrics.registry, self.health_now), "serve")
         self._load_task: asyncio.Task | None = None
         self.gateway = None
@@ -63,6 +67,8 @@ class ServerState:
                 await asyncio.to_thread(self.engine.shutdown)
             if self.gateway is not None:
                 self.gateway.close()
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans still queued
 
     async def _load(self) -> None:
         start = time.monotonic()
