@@ -120,14 +120,6 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_connection_args(p)
     _add_gateway_policy_args(p)
-
-
-def _add_connection_args(p: argparse.ArgumentParser) -> None:
-    """Idle and slow clients (uvicorn's names; the defaults are ConnectionLimits')."""
-    g = p.add_argument_group("connections (idle and slow clients)")
-    g.add_argument("--timeout-keep-alive", type=float, default=15.0,
-                   help="seconds an idle keep-alive connection stays open between requests")
-    g.add_argument("--timeout-headers", type=float, default=10.0,
     _add_observability_args(p)
 
 
@@ -153,6 +145,14 @@ def observability_from_args(args: argparse.Namespace, service: str):
         tracing = TracingConfig(args.otlp_traces_endpoint, os.environ.get("OTEL_SERVICE_NAME") or service,
                                 protocol or "grpc")
     return tracing, TenantMetricsConfig(tuple(args.metrics_tenants), args.max_metrics_tenants)
+
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    """Idle and slow clients (uvicorn's names; the defaults are ConnectionLimits')."""
+    g = p.add_argument_group("connections (idle and slow clients)")
+    g.add_argument("--timeout-keep-alive", type=float, default=15.0,
+                   help="seconds an idle keep-alive connection stays open between requests")
+    g.add_argument("--timeout-headers", type=float, default=10.0,
                    help="seconds a client may take to send a request's headers; slower ones are closed")
     g.add_argument("--limit-concurrency", type=int, default=1024,
                    help="open connections (or requests in flight) beyond which requests get 503")
@@ -218,6 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         engine_config = engine_config_from_args(args)
+        tracing, tenant_metrics = observability_from_args(args, "ferrylm-serve")
     except ConfigError as e:
         print(f"ferrylm serve: {e}", file=sys.stderr)
         return 2
@@ -226,7 +227,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         place = from_torchrun(engine_config.tensor_parallel_size)
         if place is not None and place.rank > 0:
-        tracing, tenant_metrics = observability_from_args(args, "ferrylm-serve")
             worker_loop(engine_config, place)
             return 0
     if engine_config.speculative is not None:  # a draft that cannot work with the model: a usage error now
@@ -273,6 +273,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_connection_args(p)
     _add_gateway_policy_args(p)
+    _add_observability_args(p)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -281,13 +282,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from ferrylm.router.config import GatewayServerConfig, load_router_config
     from ferrylm.router.launcher import run_gateway
 
-    _add_observability_args(p)
     try:
         router = load_router_config(args.router_config, args.upstream, default_model=args.model, policy=args.policy,
                                     prefill_flags=args.prefill_upstream,
                                     upstream_api_key=args.upstream_api_key, max_attempts=args.max_attempts,
                                     poll_interval_s=args.poll_interval, expose_upstream=args.expose_upstream_header)
         connections = connection_limits_from_args(args)
+        tracing, tenant_metrics = observability_from_args(args, "ferrylm-gateway")
     except ConfigError as e:
         print(f"ferrylm gateway: {e}", file=sys.stderr)
         return 2
@@ -297,7 +298,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                                  metrics_require_auth=args.metrics_require_auth, connections=connections,
                                  tracing=tracing, tenant_metrics=tenant_metrics)
     return run_gateway(config)
-        tracing, tenant_metrics = observability_from_args(args, "ferrylm-gateway")
 
 
 def build_parser() -> argparse.ArgumentParser:

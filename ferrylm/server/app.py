@@ -50,8 +50,8 @@ from ferrylm.server.config import ServerConfig
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
-from ferrylm.server.serving import ResponseContext
 from ferrylm.server.request_trace import RequestTrace, TracedStream
+from ferrylm.server.serving import ResponseContext
 from ferrylm.server.state import ServerState
 from ferrylm.server.tools import ToolPlan
 from ferrylm.version import package_version
@@ -96,22 +96,22 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
     admission = await gatekeeping.admit(request, state, engine, ctx.request_id, ctx.model, prompts, params,
                                         engine.model_info.max_model_len)
     headers = admission.response_headers if admission is not None else {}
-    try:
     tenant = admission.principal.tenant if admission is not None else None
     trace = RequestTrace(state.tracing, request.headers, ctx.request_id, ctx.model, ctx.start, params, tenant) \
         if state.tracing is not None else None
+    try:
         fanout = await _start(state, engine, ctx, prompts, params, req,
                               gatekeeping.priority(state, admission, req.priority), tenant)
     except APIError as e:
         await gatekeeping.finish(state, admission, e.status, None, started)
-        raise
         if trace is not None:
             trace.end(e.status, None)
+        raise
     if req.stream:
         events = gatekeeping.finishing(streamer(ctx, fanout), state, admission, fanout, started)
-        return SSEResponse(events, headers=SSE_HEADERS | headers)
         if trace is not None:
             events = TracedStream(events, lambda status: trace.end(status, fanout))
+        return SSEResponse(events, headers=SSE_HEADERS | headers)
     status = 500
     try:
         finals = await cancel_on_disconnect(request, serving.collect(fanout))
@@ -125,9 +125,9 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
         raise APIError(503, "The engine stopped; retry on another replica.", code="engine_dead") from None
     finally:
         await gatekeeping.finish(state, admission, status, fanout, started)
-    return JSONResponse(shaper(ctx, fanout, finals).model_dump(), headers=headers)
         if trace is not None:
             trace.end(status, fanout)
+    return JSONResponse(shaper(ctx, fanout, finals).model_dump(), headers=headers)
 
 
 async def _chat_inputs(engine: EngineClient, req: ChatCompletionRequest, what: str
