@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -108,7 +108,7 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
             trace.end(e.status, None)
         raise
     if req.stream:
-        events = gatekeeping.finishing(streamer(ctx, fanout), state, admission, fanout, started)
+        events: AsyncIterator[str] = gatekeeping.finishing(streamer(ctx, fanout), state, admission, fanout, started)
         if trace is not None:
             events = TracedStream(events, lambda status: trace.end(status, fanout))
         return SSEResponse(events, headers=SSE_HEADERS | headers)

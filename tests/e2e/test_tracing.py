@@ -127,11 +127,13 @@ def test_direct_request_trace_and_timings(traced):
                          "ignore_eos": True, "timings": True})
     assert r.status_code == 200
     timings = r.json()["timings"]
-    assert timings["predicted_n"] == 4 and timings["prompt_n"] + timings["cache_n"] == r.json()["usage"]["prompt_tokens"]
+    assert timings["predicted_n"] == 4
+    assert timings["prompt_n"] + timings["cache_n"] == r.json()["usage"]["prompt_tokens"]
     assert 0 < timings["ttft_ms"] <= timings["total_ms"] and timings["queue_ms"] >= 0
     assert timings["predicted_per_second"] > 0 and timings["prompt_ms"] > 0
     spans = _by_name(receiver.trace(trace_id, 4))
-    assert spans["llm_request"]["parent"] == parent and spans["llm_request"]["attrs"]["gen_ai.request.id"] == r.json()["id"]
+    root = spans["llm_request"]
+    assert root["parent"] == parent and root["attrs"]["gen_ai.request.id"] == r.json()["id"]
     assert {s["parent"] for n, s in spans.items() if n != "llm_request"} == {spans["llm_request"]["span_id"]}
     metrics = replica.metrics()
     assert metrics["ferrylm:tokens_per_second_per_device"] > 0
