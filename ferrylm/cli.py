@@ -30,6 +30,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and the KV pool (CUDA)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    from ferrylm.config import PREEMPTION_MODES, CacheConfig, SchedulerConfig
+
+    p.add_argument("--swap-space", type=float, default=CacheConfig.swap_space,
+                   help="GiB of host memory for KV blocks of requests preempted by swap (0: no swap)")
+    p.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode, choices=PREEMPTION_MODES,
+                   help="a request preempted for KV blocks: recompute (re-prefill it later), swap (copy its blocks "
+                        "to host memory and back), auto (per request, whichever the cost model says is cheaper)")
     from ferrylm.config import EngineConfig
 
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineConfig.enforce_eager,
@@ -63,9 +70,10 @@ def engine_config_from_args(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype),
+                          enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype,
+                          swap_space=args.swap_space),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len))
+                                  max_model_len=args.max_model_len, preemption_mode=args.preemption_mode))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

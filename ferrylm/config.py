@@ -53,13 +53,19 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
+    swap_space: float = 4.0  # --swap-space: GiB of host memory for swapped-out KV blocks (vLLM's); 0: no swap
 
     def __post_init__(self) -> None:
+        if not self.swap_space >= 0:
+            raise ConfigError(f"--swap-space must be >= 0 GiB, not {self.swap_space!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ConfigError(f"--kv-cache-dtype {self.cache_dtype!r} is not supported; choose one of "
                               f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
+
+
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # defaults to the model's context length
     enable_chunked_prefill: bool = True
+    # --preemption-mode: what a request preempted for KV blocks loses. recompute: its blocks (re-prefilled
+    # later); swap: they are copied to host memory (--swap-space) and back; auto: per request, whichever
+    # costs less (engine/preemption.py)
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"--preemption-mode {self.preemption_mode!r} is not supported; choose one of "
+                              f"{', '.join(PREEMPTION_MODES)}")
 
 
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf", "fp8")
@@ -202,6 +215,8 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be an integer >= 1, not {self.tensor_parallel_size!r}")
         check_speculative_with_tp(self.speculative, self.tensor_parallel_size)
+        if self.scheduler.preemption_mode == "swap" and self.cache.swap_space == 0:
+            raise ConfigError("--preemption-mode swap needs host memory for the swapped blocks: --swap-space > 0")
 
     @property
     def quant(self) -> QuantConfig | None:

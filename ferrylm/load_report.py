@@ -39,6 +39,12 @@ class LoadReport:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+    # swap preemption: requests whose KV is in host memory now (not in num_waiting, as in vLLM), and
+    # cumulative swaps out / in and swaps that fell back to recompute (host pool full)
+    num_swapped: int = 0
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    num_swap_fallbacks: int = 0
     # batch composition (cumulative): tokens scheduled as prefill / as decode, and the steps that ran them
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
@@ -55,7 +61,7 @@ class LoadReport:
 
     @property
     def busy(self) -> bool:
-        return self.num_waiting > 0 or self.num_running > 0
+        return self.num_waiting > 0 or self.num_running > 0 or self.num_swapped > 0
 
     @classmethod
     def empty(cls, *, healthy: bool = True) -> LoadReport:

@@ -36,3 +36,6 @@ class SchedulerOutput(NamedTuple):
     finished_ids: list[str]  # requests the runner can forget (finished since the last step)
     num_batched_tokens: int
     preempted_ids: tuple[str, ...] = ()  # their KV blocks were freed this step (recomputed when resumed)
+    # Swap preemption (engine/host_pool.py), copied by the runner before this step's forward:
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device block id, host block id)
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block id, device block id)

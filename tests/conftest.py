@@ -64,7 +64,7 @@ def hf_reference():
 def engine_like(llm, **overrides):
     """A fresh Engine sharing `llm`'s loaded runner, with scheduler/cache settings overridden.
 
-    Keys: any SchedulerConfig field, or num_blocks / enable_prefix_caching for the cache.
+    Keys: any SchedulerConfig field, or num_blocks / enable_prefix_caching / swap_space for the cache.
     """
     from dataclasses import replace
 
@@ -73,7 +73,7 @@ def engine_like(llm, **overrides):
     base = llm.engine
     # The sibling writes into the same KV tensors: the base engine's cached prefixes become stale.
     base.block_manager.reset_prefix_cache()
-    cache_keys = {"num_blocks", "enable_prefix_caching"}
+    cache_keys = {"num_blocks", "enable_prefix_caching", "swap_space"}
     config = base.config.with_cache(**{k: v for k, v in overrides.items() if k in cache_keys})
     config = config.with_scheduler(**{k: v for k, v in overrides.items() if k not in cache_keys})
     return Engine(replace(config), base.runner, base.tokenizer, base.max_model_len)

@@ -7,9 +7,11 @@ import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
-from ferrylm.config import EngineConfig
+from ferrylm.config import ConfigError, EngineConfig
 from ferrylm.engine.block_manager import BlockManager, block_hashes
+from ferrylm.engine.host_pool import HostBlockPool
 from ferrylm.engine.output_processor import OutputProcessor
+from ferrylm.engine.preemption import PreemptionPolicy
 from ferrylm.engine.request import Request
 from ferrylm.engine.scheduler import RequestRejected, Scheduler
 from ferrylm.kv_transfer import KVBlocks, KVLayoutMismatch
@@ -32,6 +34,17 @@ def _certain_output_left(request: Request) -> int:
     return min(_output_left(request), max(0, request.sampling_params.min_tokens - request.num_output_tokens))
 
 
+def _swap_setup(config: EngineConfig, runner: Any) -> tuple[HostBlockPool, PreemptionPolicy]:
+    """Swap preemption's host pool, sized like the device pool: --swap-space over the runner's bytes
+    per block, at most the host blocks the runner allocated (a sibling engine may ask for fewer)."""
+    per_block = getattr(runner, "swap_bytes_per_block", 0)
+    num_host = min(int(config.cache.swap_space * (1 << 30)) // per_block, runner.num_host_blocks) if per_block else 0
+    if config.scheduler.preemption_mode == "swap" and num_host == 0:
+        raise ConfigError(f"--preemption-mode swap: --swap-space {config.cache.swap_space} GiB holds no KV block "
+                          f"({per_block} bytes each)")
+    return HostBlockPool(num_host), PreemptionPolicy(config.scheduler.preemption_mode, per_block)
+
+
 class Engine:
     """Synchronous core used by the offline LLM and driven by AsyncEngine's loop thread."""
 
@@ -45,7 +58,7 @@ class Engine:
         self.max_model_len = max_model_len
         num_blocks = min(config.cache.num_blocks or runner.num_blocks, runner.num_blocks)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len, *_swap_setup(config, runner))
         self.vocab_size = runner.config.vocab_size
         self.output_processor = OutputProcessor(tokenizer, self.scheduler.finish_request)
         self.prompt_tokens_total = 0
@@ -208,7 +221,7 @@ class Engine:
         failed = self._fail_uncompilable() if self._compiling else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if sched.finished_ids or sched.preempted_ids:  # let the runner forget them (sampling state, drafts)
+            if sched.finished_ids or sched.preempted_ids or sched.blocks_to_swap_out:  # forget them / copy out
                 self.runner.execute(sched)
             pending = [r.grammar for r in self._compiling if r.grammar is not None]
             if pending:  # idle until a grammar is ready instead of spinning
@@ -253,4 +266,6 @@ class Engine:
             num_steps_total=self.num_steps_total,
             spec_decode_num_drafts=s.spec.num_drafts, spec_decode_num_draft_tokens=s.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(s.spec.accepted_per_pos))
+            spec_decode_num_accepted_tokens_per_pos=list(s.spec.accepted_per_pos),
+            num_swapped=s.num_swapped, num_swapped_out=s.num_swapped_out, num_swapped_in=s.num_swapped_in,
+            num_swap_fallbacks=s.num_swap_fallbacks)

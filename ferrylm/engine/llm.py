@@ -25,21 +25,23 @@ class LLM:
                  enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30, num_gpu_blocks: int | None = None,
                  device: str = "cpu", seed: int = 0, quantization: str | None = None, enforce_eager: bool = False,
                  kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, swap_space: float = 4.0, preemption_mode: str = "auto"):
         """`quantization`: vLLM's flag name; "none", "int8", "int4" (-g32/-g64/-g128/-g256: inputs per
         scale), "gguf" (keep a GGUF file's blocks packed) or "fp8" (CUDA). Unset: a GGUF model stays
         packed where a packed kernel runs (the CPU), anything else is unquantized.
         `kv_cache_dtype`: vLLM's too; "auto" (the model's dtype), "fp8" / "fp8_e4m3", "fp8_e5m2", "int8".
         `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4}
         (config.SpeculativeConfig). `tensor_parallel_size`: vLLM's; ranks 1.. are spawned processes
-        (model/tp_worker.py) until `shutdown()`."""
+        (model/tp_worker.py) until `shutdown()`. `swap_space` (GiB of host memory) and `preemption_mode`
+        ("auto" | "recompute" | "swap"): vLLM's, how a request preempted for KV blocks is resumed."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, quantization=quantization, enforce_eager=enforce_eager,
             speculative=SpeculativeConfig.parse(speculative_config), tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(block_size=block_size, num_blocks=num_gpu_blocks, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype),
+                              enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype,
+                              swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len))
+                                      max_model_len=max_model_len, preemption_mode=preemption_mode))
         self.engine = Engine.from_config(config)
         self._ids = itertools.count()
 

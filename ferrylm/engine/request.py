@@ -14,7 +14,8 @@ from ferrylm.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # lost its KV blocks: waits to be re-prefilled
+    SWAPPED = "swapped"  # its KV blocks are in host memory: waits (in the waiting queue) to be swapped in
     FINISHED = "finished"
 
 

@@ -1,5 +1,6 @@
 """Iteration-level scheduler: one token budget per step shared by decodes, prefill chunks and
-prefix hits; preemption by recompute when KV blocks run out. Pure Python, ids only."""
+prefix hits; when KV blocks run out, preemption by recompute or by swap to host blocks
+(--preemption-mode, engine/preemption.py). Pure Python, ids only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import NamedTuple
 
 from ferrylm.config import SchedulerConfig
 from ferrylm.engine.block_manager import BlockManager
+from ferrylm.engine.host_pool import HostBlockPool
+from ferrylm.engine.preemption import PreemptionPolicy
 from ferrylm.engine.request import Request, RequestStatus
 from ferrylm.outputs import FinishReason
 from ferrylm.request_limits import ContextLengthExceeded, check_context_window
@@ -35,6 +38,10 @@ class SchedulerStats(NamedTuple):
     prefix_cache_queries: int
     prefix_cache_hits: int
     spec: "SpecCounters"
+    num_swapped: int = 0  # requests whose KV blocks are in host memory now (counted apart from num_waiting)
+    num_swapped_out: int = 0  # cumulative: swap preemptions
+    num_swapped_in: int = 0  # cumulative: swapped requests brought back
+    num_swap_fallbacks: int = 0  # cumulative: swaps wanted but recomputed (host pool full)
 
 
 @dataclass
@@ -58,11 +65,21 @@ class SpecCounters:
 
 
 class Scheduler:
-    """Waiting queue ordered by (priority, arrival); running queue in the same order."""
+    """Waiting queue ordered by (priority, arrival); running queue in the same order. A swapped-out
+    request keeps its place in the waiting queue (status SWAPPED) and is swapped in when reached.
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    `host_pool`: host blocks for swap preemption (none: always recompute); `preemption` decides per
+    victim (default: the config's mode with the measured cost model, blocks of `0` bytes)."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 host_pool: HostBlockPool | None = None, preemption: PreemptionPolicy | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.host_pool = host_pool if host_pool is not None else HostBlockPool(0)
+        self.preemption = preemption if preemption is not None else PreemptionPolicy(config.preemption_mode)
+        self._swap_out: list[tuple[int, int]] = []  # this step's copy orders (device, host) / (host, device)
+        self._swap_in: list[tuple[int, int]] = []
+        self.num_swapped_out = self.num_swapped_in = self.num_swap_fallbacks = 0
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -108,7 +125,10 @@ class Scheduler:
             budget = self._schedule_waiting(scheduled, new_requests, budget)
         finished, self._finished_ids = self._finished_ids, []
         lost, self._preempted_ids = tuple(self._preempted_ids), []
-        return SchedulerOutput(scheduled, new_requests, finished, self.config.max_num_batched_tokens - budget, lost)
+        out, into = tuple(self._swap_out), tuple(self._swap_in)
+        self._swap_out, self._swap_in = [], []
+        return SchedulerOutput(scheduled, new_requests, finished, self.config.max_num_batched_tokens - budget, lost,
+                               out, into)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[int, bool]:
         """Advance running requests in priority order, preempting the least important on OOM."""
@@ -145,10 +165,21 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], new_requests: list[NewRequestData],
                           budget: int) -> int:
-        """Admit waiting requests in order while budget, sequence slots and blocks allow."""
+        """Admit waiting requests in order while budget, sequence slots and blocks allow (swapped
+        ones are swapped in at their place in that order). Runs only in a step that preempted
+        nothing, so no step both swaps out and swaps in (each direction frees what the other takes)."""
         i = 0  # requests whose grammar still compiles are passed over, not waited for
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
+            if req.status == RequestStatus.SWAPPED:
+                n = self._swap_in_request(req, budget)
+                if n is None:
+                    break
+                self.waiting.pop(i)
+                self._admit(req, req.num_computed_tokens)
+                scheduled.append(self._scheduled(req, n))
+                budget -= n
+                continue
             if req.grammar_pending:
                 i += 1
                 continue
@@ -173,6 +204,21 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _swap_in_request(self, req: Request, budget: int) -> int | None:
+        """Fresh private device blocks for a swapped request (its host copies go to the first ones,
+        the rest take this step's new tokens); the tokens it computes now, or None if it cannot."""
+        n = req.num_tokens - req.num_computed_tokens
+        if n > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            n = budget
+        if not self._allocate(req, n):
+            return None
+        host = self.host_pool.free(req.request_id)
+        self._swap_in.extend(zip(host, self.block_manager.block_table(req.request_id)))
+        self.num_swapped_in += 1
+        return n
+
     def _admit(self, req: Request, num_cached: int) -> None:
         if req.num_preemptions == 0:
             self.prefix_cache_queries += req.num_tokens
@@ -195,16 +241,37 @@ class Scheduler:
                                 start + n == req.num_tokens and req.max_tokens > 0, tuple(draft or ()))
 
     def _preempt(self, req: Request) -> None:
-        """Recompute-style preemption: drop its KV, requeue it (its arrival time puts it in front)."""
+        """Free a running request's device blocks and requeue it (its arrival time puts it in front):
+        by swap, its computed blocks copied to host blocks first (shared prefix blocks too: the copy
+        is private and comes back into fresh blocks), or by recompute, its progress dropped."""
         self.running.remove(req)
+        blocks = self.block_manager.block_table(req.request_id)[:self.block_manager.blocks_needed(
+            req.num_computed_tokens)]
+        host = self._host_blocks_for(req, len(blocks))
         self.block_manager.free(req.request_id)
-        self._preempted_ids.append(req.request_id)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if host is not None:
+            req.status = RequestStatus.SWAPPED
+            self._swap_out.extend(zip(blocks, host))
+            self.num_swapped_out += 1
+        else:
+            self._preempted_ids.append(req.request_id)  # the runner's drafts over its blocks are gone
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
         self._enqueue_waiting(req)
+
+    def _host_blocks_for(self, req: Request, num_blocks: int) -> list[int] | None:
+        """Host blocks to swap `req` into, or None to recompute it (mode, cost, or a full host pool)."""
+        if not num_blocks or not self.host_pool.num_blocks:
+            return None
+        if not self.preemption.wants_swap(req.num_computed_tokens, num_blocks):
+            return None
+        host = self.host_pool.allocate(req.request_id, num_blocks)
+        if host is None:
+            self.num_swap_fallbacks += 1
+        return host
 
     # -- results -------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict[str, int], accepted: dict[str, list[int]] | None = None,
@@ -271,6 +338,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.block_manager.free(request_id)
+        self.host_pool.free(request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         if request_id in self._known_to_runner:
@@ -281,13 +349,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.host_pool.tables)
+
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.waiting), len(self.running), self.num_preemptions,
-                              self.prefix_cache_queries, self.prefix_cache_hits, self.spec)
+        swapped = self.num_swapped
+        return SchedulerStats(len(self.waiting) - swapped, len(self.running), self.num_preemptions,
+                              self.prefix_cache_queries, self.prefix_cache_hits, self.spec, swapped,
+                              self.num_swapped_out, self.num_swapped_in, self.num_swap_fallbacks)
 
     def check_invariants(self) -> None:
-        """Queues disjoint and ordered; every running request holds blocks for its computed tokens."""
+        """Queues disjoint and ordered; every running request holds blocks for its computed tokens;
+        host blocks are held by exactly the swapped requests, each for all of its computed tokens."""
         self.block_manager.check_invariants()
+        swapped = {r.request_id for r in self.waiting if r.status == RequestStatus.SWAPPED}
+        self.host_pool.check_invariants(swapped)
         run_ids = {r.request_id for r in self.running}
         wait_ids = {r.request_id for r in self.waiting}
         if run_ids & wait_ids or (run_ids | wait_ids) != set(self.requests):
@@ -302,3 +379,8 @@ class Scheduler:
         for req in self.waiting:
             if self.block_manager.block_table(req.request_id):
                 raise AssertionError(f"{req.request_id}: waiting but holds blocks")
+            held = len(self.host_pool.block_table(req.request_id))
+            if held != (self.block_manager.blocks_needed(req.num_computed_tokens)
+                        if req.status == RequestStatus.SWAPPED else 0) or (held == 0) != (req.num_computed_tokens == 0):
+                raise AssertionError(f"{req.request_id}: {req.status.value} with {req.num_computed_tokens} computed "
+                                     f"tokens holds {held} host blocks")

@@ -23,6 +23,7 @@ from ferrylm.model.compiled_step import CompiledDecodeStep
 from ferrylm.model.cpu_threads import configure_cpu_threads
 from ferrylm.model.cuda_graphs import CudaGraphRunner
 from ferrylm.model.forward_batch import ForwardBatch
+from ferrylm.model.kv_swap import HostKVSwap
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.parallel import ShardedCheckpoint, TPContext, TPGroup
@@ -97,6 +98,10 @@ class ModelRunner:
         # One block past the engine's pool (index num_blocks) takes the writes of CUDA-graph (or
         # compiled-step) padding rows.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
+        # --swap-space: host blocks for swap preemption, each holding a block's target and draft K/V
+        self.swap_bytes_per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype,
+                                                       self.cache_dtype) + draft_bytes
+        self.num_host_blocks = int(cache_config.swap_space * (1 << 30)) // self.swap_bytes_per_block
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and self.attn_backend.supports_cuda_graphs and not enforce_eager:
@@ -122,6 +127,20 @@ class ModelRunner:
                                                   self.attention_kind, self.eos_token_ids)
             self.speculator = Speculator(speculative, self.config.vocab_size, self.eos_token_ids, self.device,
                                          proposer)
+        self.kv_swap = HostKVSwap(self._swappable_caches(), self.num_host_blocks)
+
+    def _swappable_caches(self) -> list[torch.Tensor]:
+        """Every tensor indexed by the engine's block ids: each layer's K and V, and the draft's."""
+        caches = [t for kv in self.kv_caches for t in kv]
+        proposer = self.speculator.model_proposer if self.speculator is not None else None
+        if proposer is not None:
+            caches += [t for kv in proposer.kv_caches for t in kv]
+        return caches
+
+    def _swap_blocks(self, output: SchedulerOutput) -> None:
+        """Swap preemption's copies, before the forward reuses any freed device block (out first)."""
+        self.kv_swap.swap_out(output.blocks_to_swap_out)
+        self.kv_swap.swap_in(output.blocks_to_swap_in)
 
     def _compile_decode(self, max_num_seqs: int, max_blocks: int) -> CompiledDecodeStep | None:
         """Compile (or load from the disk cache) the decode step of every batch-size bucket now, at
@@ -194,6 +213,7 @@ class ModelRunner:
     def execute_shard(self, output: SchedulerOutput) -> None:
         """A non-zero tensor-parallel rank's step: the forward and logits collectives of rank 0's
         execute() on the same batch, nothing sampled (rank 0 samples, verifies and proposes)."""
+        self._swap_blocks(output)  # this rank's shard of the same blocks
         for rid in output.finished_ids:
             self.states.pop(rid, None)
         for new in output.new_requests:
@@ -218,6 +238,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         if self.tp is not None:  # the other ranks run the same forward (tp_worker.py)
             self.tp.group.broadcast_object(output)
+        self._swap_blocks(output)
         for rid in output.finished_ids:
             self.states.pop(rid, None)
             if self.speculator is not None:

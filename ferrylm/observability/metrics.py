@@ -41,6 +41,8 @@ class EngineStatsCollector(Collector):
     def _families(self, s: LoadReport | None) -> list[Metric]:
         gauges = [("num_requests_running", "Requests in the running batch.", s and s.num_running),
                   ("num_requests_waiting", "Requests waiting to be scheduled.", s and s.num_waiting),
+                  ("num_requests_swapped", "Requests whose KV blocks are swapped out to host memory.",
+                   s and s.num_swapped),
                   ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
                    s and s.kv_cache_usage)]
         counters = [("prompt_tokens", "Prompt tokens admitted.", s and s.prompt_tokens_total),
@@ -49,6 +51,11 @@ class EngineStatsCollector(Collector):
                      s and s.prefix_cache_queries),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s and s.prefix_cache_hits),
                     ("num_preemptions", "Requests preempted to free KV blocks.", s and s.num_preemptions),
+                    ("num_swapped_out", "Preemptions by swap: KV blocks copied to host memory.",
+                     s and s.num_swapped_out),
+                    ("num_swapped_in", "Swapped requests whose KV blocks were copied back.", s and s.num_swapped_in),
+                    ("num_swap_fallbacks", "Swaps that fell back to recompute (host pool full).",
+                     s and s.num_swap_fallbacks),
                     ("spec_decode_num_drafts", "Speculative steps that verified a draft.",
                      s and s.spec_decode_num_drafts),
                     ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
