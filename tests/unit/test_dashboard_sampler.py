@@ -119,3 +119,16 @@ def test_nothing_reporting_yet_is_none_not_zero():
 def test_config_is_checked():
     with pytest.raises(ValueError):
         DashboardConfig(interval_s=2.0, percentile_window_s=1.0)
+
+
+def test_windows_start_at_the_first_reading_that_reported():
+    """Readings before the engine loaded have no counters: the hit rate and the summary cover what came after."""
+    config = DashboardConfig(interval_s=1.0, window_s=60.0, percentile_window_s=10.0)
+    sampler = DashboardSampler(lambda: reading(0), "serve", config)
+    for t in range(5):
+        sampler.add(Reading(wall=t, mono=t, counters=None, gauges=None, ttft=None, itl=None))
+    sampler.add(reading(5, gen=0, queries=0))
+    sampler.add(reading(6, gen=20, queries=100, hits=40))
+    assert sampler.to_json()["series"]["prefix_cache_hit_rate"][-1] == 0.4
+    summary = sampler.to_json()["summary"]
+    assert summary["prefix_cache_hit_rate"] == 0.4 and summary["generation_tokens_per_s"] == 20.0

@@ -161,10 +161,17 @@ class DashboardSampler:
     def add(self, reading: Reading) -> None:
         prev = self._readings[-1] if self._readings else None
         back = round(self.config.percentile_window_s / self.config.interval_s)
-        trail = self._readings[-back] if len(self._readings) >= back else (self._readings[0] if self._readings
-                                                                             else None)
+        trail = self._oldest_reporting(max(0, len(self._readings) - back))
         self._readings.append(reading)
         self._points.append(derive_point(reading, prev, trail))
+
+    def _oldest_reporting(self, start: int) -> Reading | None:
+        """The first reading from index `start` on that has counters (the engine loaded, a replica
+        polled), so a window that begins before anything reported still covers what did."""
+        for i in range(start, len(self._readings)):
+            if self._readings[i].counters is not None:
+                return self._readings[i]
+        return self._readings[start] if start < len(self._readings) else None
 
     async def run(self) -> None:
         while True:
@@ -189,7 +196,7 @@ class DashboardSampler:
         """Percentiles, rates and the hit rate over the whole window (first reading to last)."""
         if not self._readings:
             return {}
-        first, last = self._readings[0], self._readings[-1]
+        first, last = self._oldest_reporting(0) or self._readings[0], self._readings[-1]
         point = derive_point(last, first, first)
         return {"ttft_p50": point.ttft_p50, "ttft_p99": point.ttft_p99, "itl_p50": point.itl_p50,
                 "itl_p99": point.itl_p99, "generation_tokens_per_s": point.generation_tokens_per_s,

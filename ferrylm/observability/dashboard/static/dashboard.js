@@ -6,7 +6,7 @@
   const POLL_MS = 1000;
   const KEY = "ferrylm-dashboard-key";
   const COLORS = ["#1f6feb", "#d1242f", "#1a7f37", "#8250df"];
-  const W = 600, H = 170, L = 52, R = 8, T = 8, B = 18;  // viewBox and plot margins
+  const W = 600, H = 190, L = 62, R = 8, T = 8, B = 20;  // viewBox and plot margins
   let updates = 0;
 
   const $ = (sel) => document.querySelector(sel);
@@ -46,7 +46,6 @@
     legend.className = "legend";
     const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
     svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
-    svg.setAttribute("preserveAspectRatio", "none");
     const note = document.createElement("div");
     note.className = "note";
     fig.append(caption, legend, svg, note);
