@@ -101,6 +101,9 @@ class Tracing:
                 BatchSpanProcessor(_otlp_exporter(config), schedule_delay_millis=config.export_delay_ms))
         self.tracer: Tracer = self.provider.get_tracer("ferrylm")
         self._propagator = TraceContextTextMapPropagator()
+        # one monotonic → epoch offset for the app's life, so spans stamped from monotonic times keep their
+        # order exactly (an offset taken per stamp jitters by nanoseconds)
+        self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
 
     @classmethod
     def create(cls, config: TracingConfig | None, exporter: SpanExporter | None = None) -> Tracing | None:
@@ -125,24 +128,23 @@ class Tracing:
         from opentelemetry.trace import SpanKind
 
         return self.tracer.start_span(name, context=self.parent(headers), kind=SpanKind.SERVER,
-                                      attributes=dict(attributes or {}), start_time=wall_ns(start))
+                                      attributes=dict(attributes or {}), start_time=self.wall_ns(start))
+
+    def wall_ns(self, monotonic: float) -> int:
+        """A time.monotonic() stamp as the epoch nanoseconds spans carry."""
+        return self._epoch_offset_ns + int(monotonic * 1e9)
+
+    def end_span(self, span: Span, at: float | None = None, error: bool = False) -> None:
+        """End `span` at monotonic time `at` (now by default), with an ERROR status if `error`."""
+        from opentelemetry.trace import Status, StatusCode
+
+        if error:
+            span.set_status(Status(StatusCode.ERROR))
+        span.end(end_time=self.wall_ns(time.monotonic() if at is None else at))
 
     def shutdown(self) -> None:
         """Flush what is queued and stop the exporter."""
         self.provider.shutdown()
-
-
-def wall_ns(monotonic: float) -> int:
-    """A time.monotonic() stamp as the epoch nanoseconds spans carry."""
-    return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
-
-
-def end_span(span: Span, at: float | None = None, error: bool = False) -> None:
-    from opentelemetry.trace import Status, StatusCode
-
-    if error:
-        span.set_status(Status(StatusCode.ERROR))
-    span.end(end_time=wall_ns(time.monotonic() if at is None else at))
 
 
 def timeline_attributes(t: RequestTimeline) -> dict[str, Any]:
@@ -159,7 +161,7 @@ def timeline_attributes(t: RequestTimeline) -> dict[str, Any]:
     return attrs
 
 
-def emit_engine_spans(tracer: Tracer, parent: Span, t: RequestTimeline) -> None:
+def emit_engine_spans(tracing: Tracing, parent: Span, t: RequestTimeline) -> None:
     """The engine phases as child spans of `parent`, each with the times the engine stamped:
     queue (arrival → first scheduled), prefill (→ first token), decode (→ finish; the time spent
     detokenizing is its `ferrylm.detokenize_seconds`). A phase that never began is left out."""
@@ -175,5 +177,5 @@ def emit_engine_spans(tracer: Tracer, parent: Span, t: RequestTimeline) -> None:
     for name, begin, end, attrs in phases:
         if begin is None or end is None:
             continue
-        span = tracer.start_span(name, context=context, attributes=attrs, start_time=wall_ns(begin))
-        span.end(end_time=wall_ns(end))
+        span = tracing.tracer.start_span(name, context=context, attributes=attrs, start_time=tracing.wall_ns(begin))
+        span.end(end_time=tracing.wall_ns(end))

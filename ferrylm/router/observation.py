@@ -58,11 +58,11 @@ class GatewayObservation:
         now = time.monotonic()
         if self._tenant is not None:
             self._metrics.tenants.e2e(self._group, self._tenant, now - self._start)
-        if self._span is not None:
+        if self._tracing is not None and self._span is not None:
             self._span.set_attribute("http.response.status_code", status)
             if prompt_tokens is not None:
                 self._span.set_attribute(otel.GEN_AI_USAGE_PROMPT_TOKENS, prompt_tokens)
             if completion_tokens is not None:
                 self._span.set_attribute(otel.GEN_AI_USAGE_COMPLETION_TOKENS, completion_tokens)
             self._span.set_attribute(otel.GEN_AI_LATENCY_E2E, now - self._start)
-            otel.end_span(self._span, now, error=status >= 500)
+            self._tracing.end_span(self._span, now, error=status >= 500)

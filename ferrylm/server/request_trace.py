@@ -18,7 +18,7 @@ class RequestTrace:
 
     def __init__(self, tracing: otel.Tracing, headers: Mapping[str, str], request_id: str, model: str,
                  start: float, params: SamplingParams, tenant: str | None):
-        self._tracer = tracing.tracer
+        self._tracing = tracing
         self._start = start
         attrs = {otel.GEN_AI_REQUEST_ID: request_id, otel.GEN_AI_RESPONSE_MODEL: model,
                  otel.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens or 0,
@@ -43,8 +43,8 @@ class RequestTrace:
             timeline = RequestTimeline.of(self._start, finals)
             if timeline is not None:
                 span.set_attributes(otel.timeline_attributes(timeline))
-                otel.emit_engine_spans(self._tracer, span, timeline)
-        otel.end_span(span, error=status >= 500)
+                otel.emit_engine_spans(self._tracing, span, timeline)
+        self._tracing.end_span(span, error=status >= 500)
 
 
 class TracedStream:

@@ -17,7 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tests.e2e.server_process import ServerProcess
 
 MODEL = "smollm2-135m"
-SERVE_ARGS = ("--no-gateway", "--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "512")
+SERVE_ARGS = ("--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "512")
 OTLP_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
 
 
@@ -69,12 +69,16 @@ def _value(v):
 
 
 @pytest.fixture(scope="module")
-def traced():
+def traced(tmp_path_factory):
+    """Both with their gateway policy on (no auth: every caller is the `anonymous` tenant)."""
     receiver = OTLPReceiver()
-    replica = ServerProcess(*SERVE_ARGS, "--otlp-traces-endpoint", receiver.url, env=OTLP_ENV)
+    state = tmp_path_factory.mktemp("tracing")
+    replica = ServerProcess(*SERVE_ARGS, "--state-db", f"sqlite:///{state / 'replica.db'}",
+                            "--otlp-traces-endpoint", receiver.url, env=OTLP_ENV)
     try:
         replica.wait_ready()
-        gateway = ServerProcess("--upstream", replica.base_url, "--no-gateway", "--poll-interval", "0.25",
+        gateway = ServerProcess("--upstream", replica.base_url, "--poll-interval", "0.25",
+                                "--state-db", f"sqlite:///{state / 'gateway.db'}",
                                 "--otlp-traces-endpoint", receiver.url, command="gateway", env=OTLP_ENV)
         gateway.wait_ready(60)
         yield receiver, replica, gateway
@@ -117,6 +121,11 @@ def test_gateway_and_replica_spans_form_one_trace_with_the_clients_id(traced):
     assert server["attrs"]["gen_ai.usage.completion_tokens"] == 4 and server["attrs"]["gen_ai.request.max_tokens"] == 4
     assert server["attrs"]["gen_ai.latency.time_to_first_token"] > 0
     assert spans["decode"]["attrs"]["ferrylm.detokenize_seconds"] >= 0
+    assert gw["attrs"]["ferrylm.tenant"] == server["attrs"]["ferrylm.tenant"] == "anonymous"
+    # per-tenant latency on both front doors (4 tokens: one TTFT, three gaps)
+    for front in (gateway, replica):
+        for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+            assert front.metrics()[f"ferrylm:tenant_{name}_seconds_count{{tenant=anonymous}}"] >= 1, (front, name)
 
 
 def test_direct_request_trace_and_timings(traced):

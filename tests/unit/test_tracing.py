@@ -36,9 +36,9 @@ def test_phase_spans_are_children_with_the_engine_times():
     now = time.monotonic() - 1.0
     t = _timeline(now)
     parent = tracing.start_server_span("llm_request", {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}, now)
-    otel.emit_engine_spans(tracing.tracer, parent, t)
+    otel.emit_engine_spans(tracing, parent, t)
     parent.set_attributes(otel.timeline_attributes(t))
-    otel.end_span(parent, t.finished)
+    tracing.end_span(parent, t.finished)
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert set(spans) == {"queue", "prefill", "decode", "llm_request"}
     root = spans["llm_request"]
@@ -57,7 +57,7 @@ def test_a_phase_that_never_began_is_left_out():
     assert tracing is not None
     now = time.monotonic()
     root = tracing.start_server_span("llm_request", {}, now)
-    otel.emit_engine_spans(tracing.tracer, root, _timeline(now, first_token=False))
+    otel.emit_engine_spans(tracing, root, _timeline(now, first_token=False))
     assert [s.name for s in exporter.get_finished_spans()] == ["queue"]
 
 
