@@ -86,3 +86,17 @@ def test_gateway_data_takes_the_metrics_credential(tmp_path):
         assert r.status_code == 401 and "127.0.0.1:9" not in r.text, "replica URLs only with a credential"
         r = http.get("/dashboard/data", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200 and r.json()["health"][0]["name"] == "http://127.0.0.1:9"
+
+
+def test_every_static_file_is_package_data():
+    """An installed wheel carries the page: pyproject's package-data glob covers static/."""
+    import tomllib
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    static = root / "ferrylm" / "observability" / "dashboard" / "static"
+    files = [p.relative_to(static.parent).as_posix() for p in static.iterdir()]
+    assert len(files) == 3 and all(any(fnmatch(f, g) for g in globs["ferrylm.observability.dashboard"])
+                                   for f in files)
