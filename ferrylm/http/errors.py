@@ -30,6 +30,10 @@ class APIError(Exception):
         self.headers: dict[str, str] = dict(headers or {})
         if status == 401:
             self.headers.setdefault("WWW-Authenticate", "Bearer")
+        if status == 503 and not any(k.lower() == "retry-after" for k in self.headers):
+            # every 503 is temporary here (draining, loading, no healthy replica): say when to retry,
+            # so clients and the gateway back off instead of hammering or giving up
+            self.headers["Retry-After"] = "1"
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -6,6 +6,7 @@ fanout.py runs the engine requests, serving.py shapes the answer."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -291,6 +292,20 @@ async def debug_stall(request: Request, seconds: float) -> dict:
     return {"stalled_for": seconds}
 
 
+async def debug_kv(request: Request) -> dict:
+    """Test hook (FERRYLM_TEST_HOOKS=1 only): check the engine's invariants between two steps and
+    report the KV blocks held, so the fault suite can prove nothing leaked once the server is idle."""
+    engine = _state(request).engine
+    if engine is None:
+        raise APIError(503, "The model is still loading.", code="model_loading")
+    check = getattr(engine, "check_invariants", None)
+    if check is not None:
+        await asyncio.to_thread(check)
+    stats = engine.stats()
+    return {"kv_blocks_used": stats.kv_blocks_used, "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting, "invariants": "ok" if check is not None else "unchecked"}
+
+
 def _inline_refs(node: Any, defs: dict) -> Any:
     """`node` with every `{"$ref": "#/$defs/X", ...}` replaced by X itself (plus the siblings)."""
     if isinstance(node, list):
@@ -364,4 +379,5 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     app.include_router(dashboard_router(lambda request: _state(request).dashboard, ops_auth))
     if config.test_hooks:
         app.add_api_route("/debug/stall", debug_stall, methods=["POST"])
+        app.add_api_route("/debug/kv", debug_kv, methods=["GET"])
     return app

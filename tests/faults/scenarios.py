@@ -163,19 +163,25 @@ async def preemption_storm(server: ServerProcess, key: str, scale: int = 1) -> L
     """More long outputs at once than the KV pool holds: requests are preempted and recomputed,
     over and over; every one must still finish with all its tokens."""
     ledger = Ledger("KV exhaustion (preemption storm)")
-    before = server.metrics().get("vllm:num_preemptions_total", 0.0)
+    before = _preemptions(server)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as http:
         jobs = [send(http, "/v1/chat/completions", chat_body(f"Tell story number {i}", 200, ignore_eos=True),
                      bearer(key)) for i in range(16 * scale)]
         results = await asyncio.gather(*jobs)
     _record(ledger, list(results))
     _check_full(ledger, list(results), 200)
-    preemptions = server.metrics().get("vllm:num_preemptions_total", 0.0) - before
+    preemptions = _preemptions(server) - before
     ledger.notes.append(f"{preemptions:.0f} preemptions")
     if preemptions <= 0:
         raise AssertionError("the pool never ran out: the scenario did not inject its fault")
     ledger.leaked_blocks = await leaked_blocks(server)
     return ledger
+
+
+def _preemptions(server: ServerProcess) -> float:
+    """Preemptions of either kind (recompute, swap) the server has counted."""
+    m = server.metrics()
+    return m.get("ferrylm:num_preemptions_total", 0.0) + m.get("ferrylm:num_swapped_out_total", 0.0)
 
 
 async def overload(server: ServerProcess, key: str, scale: int = 1) -> Ledger:
