@@ -131,3 +131,31 @@ def test_gateway_dashboard_shows_each_replica_as_the_router_sees_it(api_server, 
         assert "not measured by the gateway" in dom
     finally:
         assert gw.stop() == 0, gw.log_tail()
+
+
+def test_locked_data_makes_the_page_ask_for_a_credential(chromium, tmp_path):
+    """--metrics-require-auth: the page loads, /dashboard/data answers 401, the page shows the key form."""
+    import threading
+
+    import uvicorn
+
+    from ferrylm.gateway import GatewayConfig
+    from ferrylm.router.app import build_gateway_app
+    from ferrylm.router.config import GatewayServerConfig, GroupConfig, RouterConfig
+
+    router = RouterConfig((GroupConfig("m", ("http://127.0.0.1:9",), tokenizer="/nonexistent"),), poll_interval_s=30)
+    app = build_gateway_app(GatewayServerConfig(router, GatewayConfig(state_db=f"sqlite:///{tmp_path / 's.db'}"),
+                                                metrics_require_auth=True))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        dom = browse(chromium, f"http://127.0.0.1:{port}/dashboard", tmp_path, "--dump-dom")
+        assert re.search(r'<form id="auth">', dom), "the key form is shown (no hidden attribute)"
+        assert "a credential is needed" in dom and "127.0.0.1:9" not in dom
+    finally:
+        server.should_exit = True
+        thread.join(10)
