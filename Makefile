@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ferrylm-installed
 
-.PHONY: setup serve generate lint test test-lm-eval fuzz bench clean
+.PHONY: setup serve generate lint test test-lm-eval fuzz faults bench clean
 
 $(STAMP): pyproject.toml Makefile
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)  # shared rate limits
@@ -39,6 +39,9 @@ test-lm-eval: setup  # lm-evaluation-harness against `ferrylm serve` vs its hf b
 
 fuzz: setup  # the long randomized campaign: every hypothesis/schemathesis test, 20x the examples
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider -m hypothesis tests/
+
+faults: setup  # the long fault-injection campaign (>= 10,000 requests, ~15 min); appends its table to bench/RESULTS.md
+	$(PY) bench/faults.py --write
 
 bench: setup
 	$(PY) bench/offline.py

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, free_port
 from tests.faults.client import MODEL, Result, chat_body, send, stalled_reader
 from tests.faults.ledger import Ledger
 
@@ -31,6 +31,42 @@ SINGLE_ARGS = ("--model", MODEL, "--max-num-seqs", "16", "--max-num-batched-toke
 REPLICA_ARGS = ("--model", MODEL, "--no-gateway", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
                 "--heartbeat-timeout", "1", "--ready-timeout", "1", "--log-level", "warning")
 POLL_INTERVAL_S = 0.25
+
+
+def start_replica(workdir: Path) -> tuple[ServerProcess, dict[str, str]]:
+    """The single-replica scenarios' server (auth on) and keys: `steady` (premium tier) and
+    `bulk` (batch tier: a 2 s wait budget, shed first)."""
+    db = f"sqlite:///{workdir / 'state.db'}"
+    keys = make_keys(db, {"steady": {"tier": "premium"}, "bulk": {"tier": "batch"}})
+    server = ServerProcess(*SINGLE_ARGS, "--require-auth", "--state-db", db, env=HOOKS)
+    server.wait_ready()
+    return server, keys
+
+
+def start_fleet() -> tuple[ServerProcess, list[ServerProcess]]:
+    """Two replicas behind a round-robin gateway polling every POLL_INTERVAL_S."""
+    replicas = [ServerProcess(*REPLICA_ARGS, env=HOOKS) for _ in range(2)]
+    for r in replicas:
+        r.wait_ready()
+    gateway = ServerProcess("--upstream", replicas[0].base_url, "--upstream", replicas[1].base_url, "--no-gateway",
+                            "--policy", "round-robin", "--poll-interval", str(POLL_INTERVAL_S), command="gateway")
+    gateway.wait_ready(60)
+    return gateway, replicas
+
+
+def start_limited_gateways(upstream: ServerProcess, workdir: Path) -> tuple[dict[str, ServerProcess], str, int]:
+    """Two auth gateways whose tenant limits live in one Redis (not started: the scenario owns
+    it), fail-open and fail-closed; (gateways by mode, the tenant's key, the Redis port)."""
+    db = f"sqlite:///{workdir / 'state.db'}"
+    key = make_keys(db, {"metered": {"rpm": 100_000, "tpm": 10_000_000}})["metered"]
+    port = free_port()
+    gateways = {mode: ServerProcess("--upstream", upstream.base_url, "--require-auth", "--state-db", db,
+                                    "--redis-url", f"redis://127.0.0.1:{port}/0", "--rate-limit-failure-mode", mode,
+                                    "--poll-interval", str(POLL_INTERVAL_S), command="gateway")
+                for mode in ("open", "closed")}
+    for gw in gateways.values():
+        gw.wait_ready(60)
+    return gateways, key, port
 
 
 def bearer(key: str | None) -> dict[str, str]:

@@ -8,19 +8,12 @@ import asyncio
 
 import pytest
 
-from tests.e2e.server_process import ServerProcess, free_port
 from tests.faults import scenarios
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    replicas = [ServerProcess(*scenarios.REPLICA_ARGS, env=scenarios.HOOKS) for _ in range(2)]
-    for r in replicas:
-        r.wait_ready()
-    gateway = ServerProcess("--upstream", replicas[0].base_url, "--upstream", replicas[1].base_url, "--no-gateway",
-                            "--policy", "round-robin", "--poll-interval", str(scenarios.POLL_INTERVAL_S),
-                            command="gateway")
-    gateway.wait_ready(60)
+def fleet():
+    gateway, replicas = scenarios.start_fleet()
     yield gateway, replicas
     for p in (gateway, *replicas):
         p.stop()
@@ -31,17 +24,8 @@ def limited_gateways(fleet, tmp_path_factory):
     """Two auth gateways sharing limits through one Redis, fail-open and fail-closed."""
     _, replicas = fleet
     workdir = tmp_path_factory.mktemp("redis")
-    db = f"sqlite:///{workdir / 'state.db'}"
-    keys = scenarios.make_keys(db, {"metered": {"rpm": 100_000, "tpm": 10_000_000}})
-    port = free_port()
-    gateways = {}
-    for mode in ("open", "closed"):
-        gateways[mode] = ServerProcess("--upstream", replicas[1].base_url, "--require-auth", "--state-db", db,
-                                       "--redis-url", f"redis://127.0.0.1:{port}/0", "--rate-limit-failure-mode",
-                                       mode, "--poll-interval", str(scenarios.POLL_INTERVAL_S), command="gateway")
-    for gw in gateways.values():
-        gw.wait_ready(60)
-    yield gateways, keys["metered"], port, workdir
+    gateways, key, port = scenarios.start_limited_gateways(replicas[1], workdir)
+    yield gateways, key, port, workdir
     for gw in gateways.values():
         gw.stop()
 

@@ -8,16 +8,12 @@ import asyncio
 
 import pytest
 
-from tests.e2e.server_process import ServerProcess
 from tests.faults import scenarios
 
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    db = f"sqlite:///{tmp_path_factory.mktemp('faults') / 'state.db'}"
-    keys = scenarios.make_keys(db, {"steady": {"tier": "premium"}, "bulk": {"tier": "batch"}})
-    server = ServerProcess(*scenarios.SINGLE_ARGS, "--require-auth", "--state-db", db, env=scenarios.HOOKS)
-    server.wait_ready()
+    server, keys = scenarios.start_replica(tmp_path_factory.mktemp("faults"))
     yield server, keys
     server.stop()
 

@@ -1,0 +1,125 @@
+"""The long fault-injection campaign (`make faults`): every scenario of tests/faults, at scale,
+round after round with fresh processes, until at least --min-requests requests were sent. Prints
+one row per scenario (requests, accepted, completed, explicit errors, shed, lost, leaked KV
+blocks, shed p99, worst recovery) and with --write appends the table to bench/RESULTS.md.
+
+Loopback only; real `ferrylm serve` / `ferrylm gateway` processes and the real model. The CPU
+check reads /proc/stat: the share of busy CPU time used by processes other than this campaign
+and its servers (the servers are children; ~0 means a quiet machine).
+
+    .venv/bin/python bench/faults.py [--min-requests 10000] [--scale 25] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.cpu_check import ForeignCpu  # noqa: E402
+from tests.e2e.server_process import ServerProcess  # noqa: E402
+from tests.faults import scenarios  # noqa: E402
+from tests.faults.ledger import Ledger  # noqa: E402
+from tests.faults.table import markdown_table  # noqa: E402
+from tests.faults.test_startup import default_gguf  # noqa: E402
+
+
+class Campaign:
+    """Ledgers merged by scenario across rounds."""
+
+    def __init__(self) -> None:
+        self.ledgers: dict[str, Ledger] = {}
+
+    def add(self, ledger: Ledger) -> None:
+        print(f"  {ledger.scenario}: {ledger.row()} {ledger.notes}", flush=True)
+        old = self.ledgers.get(ledger.scenario)
+        self.ledgers[ledger.scenario] = old.merged(ledger) if old else ledger
+
+    @property
+    def total(self) -> int:
+        return sum(ledger.total for ledger in self.ledgers.values())
+
+
+def single_replica_round(campaign: Campaign, scale: int, seed: int, workdir: Path) -> None:
+    server, keys = scenarios.start_replica(workdir)
+    try:
+        campaign.add(asyncio.run(scenarios.disconnect_storm(server, keys["steady"], scale, seed)))
+        campaign.add(asyncio.run(scenarios.overload(server, keys["bulk"], scale)))
+        campaign.add(asyncio.run(scenarios.preemption_storm(server, keys["steady"], max(1, scale // 8))))
+        campaign.add(asyncio.run(scenarios.slow_reader(server, keys["steady"], max(1, scale // 4))))
+        campaign.add(asyncio.run(scenarios.engine_stall(server, keys["steady"])))
+        campaign.add(asyncio.run(scenarios.sigterm_under_load(server, keys["steady"], max(1, scale // 4))))
+    finally:
+        server.stop()
+
+
+def fleet_round(campaign: Campaign, scale: int, workdir: Path) -> None:
+    gateway, replicas = scenarios.start_fleet()
+    limited: dict[str, ServerProcess] = {}
+    try:
+        limited, key, port = scenarios.start_limited_gateways(replicas[1], workdir)
+        for mode in ("open", "closed"):
+            campaign.add(asyncio.run(scenarios.redis_outage(limited[mode], key, port, workdir, mode,
+                                                            max(1, scale // 2))))
+        campaign.add(asyncio.run(scenarios.replica_stuck(gateway, replicas[0], replicas[1], max(1, scale // 4))))
+        campaign.add(asyncio.run(scenarios.replica_killed(gateway, replicas[0], replicas[1], max(1, scale // 4))))
+    finally:
+        for p in (*limited.values(), gateway, *replicas):
+            p.stop()
+
+
+def startup_round(campaign: Campaign, workdir: Path) -> None:
+    for variant, path in scenarios.corrupt_models(default_gguf(), workdir).items():
+        code, seconds, log = scenarios.start_with_model(path)
+        ledger = Ledger(f"model file {variant}")
+        ok = code not in (None, 0) and "could not load the model" in log
+        ledger.record("error" if ok else "lost", log)
+        ledger.recovery_s = seconds
+        campaign.add(ledger)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--min-requests", type=int, default=10_000)
+    ap.add_argument("--scale", type=int, default=25, help="request-count multiplier of each scenario")
+    ap.add_argument("--max-rounds", type=int, default=20)
+    ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    args = ap.parse_args()
+
+    campaign, rounds, start = Campaign(), 0, time.monotonic()
+    with ForeignCpu() as cpu, tempfile.TemporaryDirectory(prefix="ferrylm-faults-") as tmp:
+        while campaign.total < args.min_requests and rounds < args.max_rounds:
+            print(f"round {rounds + 1}: {campaign.total} requests so far", flush=True)
+            workdir = Path(tmp) / f"round{rounds}"
+            workdir.mkdir()
+            single_replica_round(campaign, args.scale, rounds, workdir)
+            fleet_round(campaign, args.scale, workdir)
+            if rounds == 0:
+                startup_round(campaign, workdir)
+            rounds += 1
+    minutes = (time.monotonic() - start) / 60
+    rows = [ledger.row() for ledger in campaign.ledgers.values()]
+    lost = sum(ledger.counts["lost"] for ledger in campaign.ledgers.values())
+    leaked = sum(ledger.leaked_blocks or 0 for ledger in campaign.ledgers.values())
+    table = markdown_table(rows)
+    summary = (f"{campaign.total} requests in {rounds} rounds ({minutes:.1f} min): lost {lost}, "
+               f"KV blocks leaked {leaked}; other processes' CPU share {cpu.share:.3f}")
+    print(table + "\n\n" + summary)
+    for ledger in campaign.ledgers.values():
+        if ledger.lost_details:
+            print(f"{ledger.scenario} lost: {ledger.lost_details[:5]}")
+    if args.write:
+        with (ROOT / "bench" / "RESULTS.md").open("a") as f:
+            f.write(f"\n## Fault-injection campaign (`make faults`, {time.strftime('%Y-%m-%d')})\n\n"
+                    f"`.venv/bin/python bench/faults.py --min-requests {args.min_requests} --scale {args.scale} "
+                    f"--write`\n\n{table}\n\n{summary}\n")
+    sys.exit(1 if lost or leaked else 0)
+
+
+if __name__ == "__main__":
+    main()
