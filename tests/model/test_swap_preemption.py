@@ -88,3 +88,55 @@ def test_swap_copies_every_part_of_a_block(cache_dtype):
         assert torch.equal(read(cache, 5), before[c][1]) and torch.equal(read(cache, 1), before[c][4])
         for b in (0, 2, 3, 4):
             assert torch.equal(read(cache, b), before[c][b])
+
+
+def _tiny_runner(cache_dtype: str = "auto", speculative=None):
+    from ferrylm.config import CacheConfig
+    from ferrylm.model.runner import ModelRunner
+    from tests.gpu.random_model import RandomCheckpoint
+    from tests.model.test_speculative_models import TINY
+
+    return ModelRunner(RandomCheckpoint(TINY, seed=3, std=0.5),
+                       CacheConfig(block_size=16, num_blocks=257, cache_dtype=cache_dtype, swap_space=0.01),
+                       torch.float32, torch.device("cpu"), 512, max_num_seqs=64, enforce_eager=True,
+                       attention="torch", speculative=speculative)
+
+
+def test_runner_swaps_the_draft_models_kv_too():
+    """layer_skip keeps its own K/V indexed by the same block ids: a swap moves it with the target's."""
+    from ferrylm.config import SpeculativeConfig
+    from ferrylm.scheduler_output import SchedulerOutput
+
+    runner = _tiny_runner(speculative=SpeculativeConfig("layer_skip", 2, num_layers=1))
+    draft = runner.speculator.model_proposer.kv_caches
+    caches = [t for kv in runner.kv_caches + draft for t in kv]
+    for t in caches:
+        t[3].normal_()
+    saved = [t[3].clone() for t in caches]
+    runner.execute(SchedulerOutput([], [], [], 0, (), blocks_to_swap_out=((3, 0),)))
+    for t in caches:
+        t[3].zero_()
+    runner.execute(SchedulerOutput([], [], [], 0, (), blocks_to_swap_in=((0, 7),)))
+    assert all(torch.equal(t[7], s) for t, s in zip(caches, saved))
+    assert runner.swap_bytes_per_block == swap_bytes_per_block(caches)
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_tiny_model_swap_run_equals_unconstrained(cache_dtype):
+    """A random 2-layer model, 8 requests on a 12-block pool with swap: greedy output as with room."""
+    from tests.gpu.random_model import build_engine
+    from tests.model.test_speculative_models import _prompts
+
+    runner = _tiny_runner(cache_dtype)
+    prompts = _prompts(8)
+    results = []
+    for num_blocks, mode in ((256, "recompute"), (12, "swap")):
+        base = build_engine(runner, num_blocks=num_blocks, max_model_len=512, max_num_seqs=8,
+                            max_num_batched_tokens=256)
+        engine = type(base)(base.config.with_scheduler(preemption_mode=mode), runner, base.tokenizer, 512)
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), ids, GREEDY)
+        results.append(run_to_completion(engine, check=True))
+    assert results[1] == results[0]
+    assert engine.stats().num_swapped_out > 0 and engine.stats().num_swap_fallbacks == 0
+    assert engine.scheduler.host_pool.num_free_blocks == engine.scheduler.host_pool.num_blocks
