@@ -140,3 +140,27 @@ def test_tiny_model_swap_run_equals_unconstrained(cache_dtype):
     assert results[1] == results[0]
     assert engine.stats().num_swapped_out > 0 and engine.stats().num_swap_fallbacks == 0
     assert engine.scheduler.host_pool.num_free_blocks == engine.scheduler.host_pool.num_blocks
+
+
+def test_tensor_parallel_ranks_swap_their_shards(tmp_path):
+    """TP=2 on a 6-block pool with swap: each rank copies its own shard of the same blocks, so the
+    output equals TP=1 with room (a rank that skipped the copy would read stale K/V)."""
+    from ferrylm import LLM
+    from tests.model.tiny_models import add_word_tokenizer, make_tiny_model
+
+    directory = str(add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama")))
+    prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70, 100 + i, 7] * (1 + 3 * i)} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    plain = LLM(directory, dtype="float32", enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    tp = LLM(directory, dtype="float32", tensor_parallel_size=2, num_gpu_blocks=8, preemption_mode="swap",
+             swap_space=0.01)
+    try:
+        swapped = tp.generate(prompts, params, use_tqdm=False)
+        stats = tp.engine.stats()
+    finally:
+        tp.shutdown()
+    for a, b in zip(plain, swapped):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-4
+    assert stats.num_swapped_out > 0 and stats.num_swap_fallbacks == 0
