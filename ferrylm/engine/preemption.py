@@ -14,20 +14,23 @@ from dataclasses import dataclass
 class SwapCostModel:
     """Seconds to recompute n tokens vs. to copy their blocks out and back.
 
-    The defaults were measured on the development machine (2 cores, AVX-512 + BF16, torch CPU) with
-    bench/swap_cost.py on the default model (SmolLM2-135M, bf16, 16-token blocks of 368,640 bytes
-    of K/V over 30 layers), through the real prefill and the runner's real copy path
-    (model/kv_swap.py): prefill of one 64 / 256 / 512-token prompt ran at ~1,900 / ~2,800 / ~2,900
-    tokens/s; swap out + in of 4 / 16 / 32 blocks took 2.1 / 4.2 / ~7 ms, i.e. ~2.8 GB/s of copy
-    past a fixed ~0.5 ms per direction (per call: an index_select + index_copy_ on 60 tensors).
-    So past a few tokens swapping wins by ~20x on this machine. A GPU moves the balance further
-    toward swap for long contexts (PCIe ~25 GB/s, prefill cost quadratic past a few thousand tokens);
-    the constants are per machine and model, so a deployment can pass its own model.
+    The defaults were measured on the development machine (2 shared cores, AVX-512 + BF16, torch CPU)
+    with bench/swap_cost.py on the default model (SmolLM2-135M, bf16, 16-token blocks of 368,640
+    bytes of K/V over 30 layers), through the real prefill and the runner's real copy path
+    (model/kv_swap.py), best of 3-5 runs, twice:
+      prefill of one 64 / 256 / 512-token prompt: 33 / 84 / 133 ms (1,900 / 3,070 / 3,850 tokens/s);
+      swap out + in of 4 / 16 / 32 blocks: 2.1 / 4.2 / 7.1 ms, one block 0.84 ms; a line through
+      these is ~0.18 ms per block (2 x 368,640 bytes: ~4 GB/s) plus ~0.4 ms fixed per direction
+      (an index_select + index_copy_ on each of 60 tensors).
+    So recompute costs ~330 us a token and swap ~12 us a token past ~0.8 ms: `auto` swaps any victim
+    with more than ~3 computed tokens here. On a GPU the copy crosses PCIe (~25 GB/s pinned) and
+    prefill is far faster, so the balance differs: the constants are per machine and model, and a
+    deployment can pass its own SwapCostModel to PreemptionPolicy.
     """
 
-    prefill_tokens_per_s: float = 2800.0
-    copy_bytes_per_s: float = 2.8e9
-    copy_overhead_s: float = 0.5e-3  # each direction, whatever the block count
+    prefill_tokens_per_s: float = 3000.0
+    copy_bytes_per_s: float = 4.0e9
+    copy_overhead_s: float = 0.4e-3  # each direction, whatever the block count
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
