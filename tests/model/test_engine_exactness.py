@@ -72,10 +72,11 @@ def test_chunked_prefill_budget_32_matches(llm_fp32, prompts16, reference16):
 def test_preemption_keeps_outputs_identical(llm_fp32, prompts16, reference16):
     # Room for the longest request but far from all at once: forces recompute preemption.
     longest = max(map(len, prompts16)) + NEW
-    engine = engine_like(llm_fp32, num_blocks=longest // 16 + 12, max_num_batched_tokens=1024)
+    engine = engine_like(llm_fp32, num_blocks=longest // 16 + 12, max_num_batched_tokens=1024,
+                         preemption_mode="recompute")  # swap: tests/model/test_swap_preemption.py
     _submit_all(engine, prompts16)
     assert _as_list(run_to_completion(engine, check=True), 16) == reference16
-    assert engine.stats().num_preemptions > 0
+    assert engine.stats().num_preemptions > 0 and engine.stats().num_swapped_out == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
