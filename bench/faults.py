@@ -92,7 +92,7 @@ def main() -> None:
     args = ap.parse_args()
 
     campaign, rounds, start = Campaign(), 0, time.monotonic()
-    with ForeignCpu() as cpu, tempfile.TemporaryDirectory(prefix="ferrylm-faults-") as tmp:
+    with ForeignCpu(children=True) as cpu, tempfile.TemporaryDirectory(prefix="ferrylm-faults-") as tmp:
         while campaign.total < args.min_requests and rounds < args.max_rounds:
             print(f"round {rounds + 1}: {campaign.total} requests so far", flush=True)
             workdir = Path(tmp) / f"round{rounds}"

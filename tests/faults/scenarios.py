@@ -124,22 +124,27 @@ def _check_full(ledger: Ledger, results: list[Result], max_tokens: int) -> None:
 
 async def disconnect_storm(server: ServerProcess, key: str, scale: int = 1, seed: int = 0) -> Ledger:
     """Clients hanging up at random points of their streams (before the first byte, after k
-    events, or by timing out a non-streamed request), beside control streams that must finish."""
+    events, or by timing out a non-streamed request), arriving 5 ms apart beside control streams
+    that must finish with every token."""
     ledger, rng = Ledger("disconnect storm"), random.Random(seed)
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
-        jobs: list[Awaitable[Result]] = []
-        for i in range(24 * scale):
-            cut = rng.choice([0, 1, 2, 3, 5, 8, 13, 21])
-            jobs.append(send(http, "/v1/chat/completions", chat_body(f"Story {i}", 64, ignore_eos=True),
-                             bearer(key), cancel_after=cut))
-        short = httpx.AsyncClient(base_url=server.base_url, timeout=0.3)
-        timed_out = [_timed_out(short, key, i) for i in range(4 * scale)]
-        controls = [send(http, "/v1/chat/completions", chat_body(f"Control {i}", 48, ignore_eos=True), bearer(key))
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http, \
+            httpx.AsyncClient(base_url=server.base_url, timeout=0.3) as short:
+        controls = [asyncio.create_task(send(http, "/v1/chat/completions",
+                                             chat_body(f"Control {i}", 48, ignore_eos=True), bearer(key)))
                     for i in range(4)]
-        results = await asyncio.gather(*jobs, *timed_out, *controls)
-        await short.aclose()
-        _record(ledger, list(results))
-        _check_full(ledger, list(results[-4:]), 48)
+        jobs: list[asyncio.Task[Result]] = []
+        for i in range(28 * scale):
+            if i % 7 == 6:
+                jobs.append(asyncio.create_task(_timed_out(short, key, i)))
+            else:
+                cut = rng.choice([0, 1, 2, 3, 5, 8, 13, 21])
+                jobs.append(asyncio.create_task(send(
+                    http, "/v1/chat/completions", chat_body(f"Story {i}", 64, ignore_eos=True), bearer(key),
+                    cancel_after=cut)))
+            await asyncio.sleep(0.005)
+        results = list(await asyncio.gather(*jobs, *controls))
+    _record(ledger, results)
+    _check_full(ledger, results[-4:], 48)
     ledger.leaked_blocks = await leaked_blocks(server)
     return ledger
 
