@@ -7,8 +7,9 @@ STAMP := $(VENV)/.ferrylm-installed
 .PHONY: setup serve generate lint test test-lm-eval fuzz faults bench clean
 
 $(STAMP): pyproject.toml Makefile
-	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)  # shared rate limits
-	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)  # headless dashboard tests
+	# redis-server: shared rate limits; chromium: the headless dashboard tests (one apt-get update for both)
+	(command -v redis-server && command -v chromium) >/dev/null || \
+	    (apt-get update && apt-get install -y redis-server chromium)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# --no-compile: no .pyc for every file of every package at install (minutes of CPU on 2 cores);
