@@ -22,7 +22,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.cpu_check import ForeignCpu  # noqa: E402
-from tests.e2e.server_process import ServerProcess  # noqa: E402
 from tests.faults import scenarios  # noqa: E402
 from tests.faults.ledger import Ledger  # noqa: E402
 from tests.faults.table import markdown_table  # noqa: E402
@@ -59,10 +58,10 @@ def single_replica_round(campaign: Campaign, scale: int, seed: int, workdir: Pat
 
 
 def fleet_round(campaign: Campaign, scale: int, workdir: Path) -> None:
-    gateway, replicas = scenarios.start_fleet()
-    limited: dict[str, ServerProcess] = {}
+    gateway, replicas = scenarios.spawn_fleet()
+    limited, key, port = scenarios.spawn_limited_gateways(replicas[1], workdir)
     try:
-        limited, key, port = scenarios.start_limited_gateways(replicas[1], workdir)
+        scenarios.wait_all(replicas, [gateway, *limited.values()])
         for mode in ("open", "closed"):
             campaign.add(asyncio.run(scenarios.redis_outage(limited[mode], key, port, workdir, mode,
                                                             max(1, scale // 2))))

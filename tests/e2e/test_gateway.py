@@ -1,5 +1,5 @@
 """The gateway in front of the real model: auth (keys, JWT), model permissions, token-aware rate
-limits with refunds, audit records, and fast shedding under overload. One server for the module."""
+limits with refunds, audit records. One server for the module (4x overload shedding: tests/faults)."""
 
 from __future__ import annotations
 
@@ -111,40 +111,3 @@ def test_token_rate_limit_429_then_refund(gateway_server):
     assert int(again.headers["x-ratelimit-remaining-tokens"]) >= 1000 - used - 2 * 330
 
 
-def test_overload_sheds_fast_and_admitted_complete(gateway_server):
-    server, keys, _, _ = gateway_server
-
-    async def one(client, i):
-        start = time.perf_counter()
-        try:
-            resp = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {keys['bulk']}"},
-                                     json={"model": "smollm2-135m", "max_tokens": 48, "temperature": 0,
-                                           "ignore_eos": True,
-                                           "messages": [{"role": "user", "content": f"Story {i}"}]})
-        except httpx.HTTPError as e:  # a timeout would be a failure of admission control
-            return "error", time.perf_counter() - start, repr(e)
-        return resp.status_code, time.perf_counter() - start, resp
-
-    async def burst():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
-            # 4x more than the engine drains, arriving every 20 ms, from a batch-tier tenant (2 s
-            # wait budget): the gateway measures the drain rate as it goes and starts shedding.
-            tasks = []
-            for i in range(80):
-                tasks.append(asyncio.create_task(one(client, i)))
-                await asyncio.sleep(0.02)
-            return await asyncio.gather(*tasks)
-
-    results = asyncio.run(burst())
-    codes = [c for c, _, _ in results]
-    shed = [(c, t, r) for c, t, r in results if c in (429, 503)]
-    ok = [(c, t, r) for c, t, r in results if c == 200]
-    assert "error" not in codes and set(codes) <= {200, 429, 503}
-    assert shed and ok, codes
-    for _, _, resp in shed:
-        assert float(resp.headers["retry-after"]) > 0
-    for _, _, resp in ok:  # every admitted request completed with its full output
-        assert resp.json()["usage"]["completion_tokens"] == 48
-    shed_ms = sorted(t * 1000 for _, t, _ in shed)
-    print(f"\nshed {len(shed)}/{len(results)}; shed latency p50 {shed_ms[len(shed_ms) // 2]:.1f} ms, "
-          f"max {shed_ms[-1]:.1f} ms; admitted {len(ok)} all complete")

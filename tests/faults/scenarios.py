@@ -43,18 +43,16 @@ def start_replica(workdir: Path) -> tuple[ServerProcess, dict[str, str]]:
     return server, keys
 
 
-def start_fleet() -> tuple[ServerProcess, list[ServerProcess]]:
-    """Two replicas behind a round-robin gateway polling every POLL_INTERVAL_S."""
+def spawn_fleet() -> tuple[ServerProcess, list[ServerProcess]]:
+    """Two replicas behind a round-robin gateway polling every POLL_INTERVAL_S, all starting at
+    once (wait with `wait_all`)."""
     replicas = [ServerProcess(*REPLICA_ARGS, env=HOOKS) for _ in range(2)]
-    for r in replicas:
-        r.wait_ready()
     gateway = ServerProcess("--upstream", replicas[0].base_url, "--upstream", replicas[1].base_url, "--no-gateway",
                             "--policy", "round-robin", "--poll-interval", str(POLL_INTERVAL_S), command="gateway")
-    gateway.wait_ready(60)
     return gateway, replicas
 
 
-def start_limited_gateways(upstream: ServerProcess, workdir: Path) -> tuple[dict[str, ServerProcess], str, int]:
+def spawn_limited_gateways(upstream: ServerProcess, workdir: Path) -> tuple[dict[str, ServerProcess], str, int]:
     """Two auth gateways whose tenant limits live in one Redis (not started: the scenario owns
     it), fail-open and fail-closed; (gateways by mode, the tenant's key, the Redis port)."""
     db = f"sqlite:///{workdir / 'state.db'}"
@@ -64,9 +62,15 @@ def start_limited_gateways(upstream: ServerProcess, workdir: Path) -> tuple[dict
                                     "--redis-url", f"redis://127.0.0.1:{port}/0", "--rate-limit-failure-mode", mode,
                                     "--poll-interval", str(POLL_INTERVAL_S), command="gateway")
                 for mode in ("open", "closed")}
-    for gw in gateways.values():
-        gw.wait_ready(60)
     return gateways, key, port
+
+
+def wait_all(servers: list[ServerProcess], gateways: list[ServerProcess]) -> None:
+    """Replicas first (a gateway is ready once one of its replicas is)."""
+    for server in servers:
+        server.wait_ready()
+    for gateway in gateways:
+        gateway.wait_ready(60)
 
 
 def bearer(key: str | None) -> dict[str, str]:

@@ -12,22 +12,30 @@ from tests.faults import scenarios
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    gateway, replicas = scenarios.start_fleet()
-    yield gateway, replicas
-    for p in (gateway, *replicas):
-        p.stop()
+def processes(tmp_path_factory):
+    """Every process of the module, started at once: two replicas, their gateway, and two auth
+    gateways in front of the second replica sharing limits through one Redis."""
+    workdir = tmp_path_factory.mktemp("redis")
+    gateway, replicas = scenarios.spawn_fleet()
+    limited, key, port = scenarios.spawn_limited_gateways(replicas[1], workdir)
+    everything = [gateway, *replicas, *limited.values()]
+    try:
+        scenarios.wait_all(replicas, [gateway, *limited.values()])
+        yield gateway, replicas, (limited, key, port, workdir)
+    finally:
+        for p in everything:
+            p.stop()
 
 
 @pytest.fixture(scope="module")
-def limited_gateways(fleet, tmp_path_factory):
-    """Two auth gateways sharing limits through one Redis, fail-open and fail-closed."""
-    _, replicas = fleet
-    workdir = tmp_path_factory.mktemp("redis")
-    gateways, key, port = scenarios.start_limited_gateways(replicas[1], workdir)
-    yield gateways, key, port, workdir
-    for gw in gateways.values():
-        gw.stop()
+def fleet(processes):
+    gateway, replicas, _ = processes
+    return gateway, replicas
+
+
+@pytest.fixture(scope="module")
+def limited_gateways(processes):
+    return processes[2]
 
 
 def run(coro, report):
