@@ -102,3 +102,18 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def make_keys(db_url: str, tenants: dict[str, dict]) -> dict[str, str]:
+    """Tenants (name → create_tenant kwargs) and one key each, written straight to the state DB."""
+    from ferrylm.gateway.store import Store  # imported here: most tests never need the state DB
+
+    store = Store(db_url, time.time)
+    try:
+        keys = {}
+        for name, kwargs in tenants.items():
+            store.create_tenant(name, **kwargs)
+            keys[name] = store.create_key(name)[1]
+        return keys
+    finally:
+        store.close()

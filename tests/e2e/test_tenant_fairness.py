@@ -8,15 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from tests.conftest import requires_smollm2
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, make_keys
 
 pytestmark = requires_smollm2
 
@@ -25,18 +23,10 @@ FLOOD, FLOOD_TOKENS = 12, 40
 PREMIUM, PREMIUM_TOKENS = 3, 6
 
 
-def _ferrylm(*args: str, db: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "ferrylm.cli", *args, "--state-db", db], check=True,
-                         capture_output=True, text=True).stdout
-    return out.strip().splitlines()[-1]
-
-
 @pytest.fixture(scope="module")
 def fair_server(tmp_path_factory):
     db = f"sqlite:///{tmp_path_factory.mktemp('fair') / 'state.db'}"
-    _ferrylm("tenants", "create", "noisy", "--tier", "batch", db=db)
-    _ferrylm("tenants", "create", "vip", "--tier", "premium", db=db)
-    keys = {t: _ferrylm("keys", "create", "--tenant", t, db=db) for t in ("noisy", "vip")}
+    keys = make_keys(db, {"noisy": {"tier": "batch"}, "vip": {"tier": "premium"}})
     # 10 blocks of 16 tokens (bf16 SmolLM2: 368,640 bytes each): four flood requests (3 blocks each) outgrow it
     server = ServerProcess("--model", "smollm2-135m", "--require-auth", "--state-db", db, "--no-admission-control",
                            "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "256",

@@ -13,12 +13,13 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from tests.e2e.server_process import ServerProcess, free_port
+from tests.e2e.server_process import ServerProcess, free_port, make_keys
 from tests.faults.client import MODEL, Result, chat_body, send, stalled_reader
 from tests.faults.ledger import Ledger
 
@@ -77,19 +78,13 @@ def bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def make_keys(db_url: str, tenants: dict[str, dict]) -> dict[str, str]:
-    """Tenants (name → create_tenant kwargs) and one key each, written straight to the state DB."""
-    from ferrylm.gateway.store import Store
-
-    store = Store(db_url, time.time)
-    try:
-        keys = {}
-        for name, kwargs in tenants.items():
-            store.create_tenant(name, **kwargs)
-            keys[name] = store.create_key(name)[1]
-        return keys
-    finally:
-        store.close()
+def run_and_check(coro: Coroutine[Any, Any, Ledger], report: list[Ledger]) -> Ledger:
+    """Run one scenario, add its ledger to the session's report, and assert the guarantee."""
+    ledger = asyncio.run(coro)
+    report.append(ledger)
+    print(ledger.row(), ledger.notes)
+    ledger.assert_guarantee()
+    return ledger
 
 
 async def debug_kv(http: httpx.AsyncClient, server: ServerProcess) -> dict:

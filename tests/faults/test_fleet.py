@@ -4,8 +4,6 @@ stuck, one replica SIGKILLed mid-stream. Each asserts the guarantee: nothing los
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from tests.faults import scenarios
@@ -38,18 +36,10 @@ def limited_gateways(processes):
     return processes[2]
 
 
-def run(coro, report):
-    ledger = asyncio.run(coro)
-    report.append(ledger)
-    print(ledger.row(), ledger.notes)
-    ledger.assert_guarantee()
-    return ledger
-
-
 @pytest.mark.parametrize("mode", ["open", "closed"])
 def test_redis_killed_and_restarted(limited_gateways, mode, fault_report):
     gateways, key, port, workdir = limited_gateways
-    ledger = run(scenarios.redis_outage(gateways[mode], key, port, workdir, mode), fault_report)
+    ledger = scenarios.run_and_check(scenarios.redis_outage(gateways[mode], key, port, workdir, mode), fault_report)
     if mode == "open":
         assert ledger.counts["completed"] == ledger.total, ledger.counts
     else:
@@ -59,11 +49,11 @@ def test_redis_killed_and_restarted(limited_gateways, mode, fault_report):
 
 def test_stuck_replica_is_ejected_and_returns(fleet, fault_report):
     gateway, (victim, survivor) = fleet
-    ledger = run(scenarios.replica_stuck(gateway, victim, survivor), fault_report)
+    ledger = scenarios.run_and_check(scenarios.replica_stuck(gateway, victim, survivor), fault_report)
     assert ledger.counts["completed"] == ledger.total, ledger.counts
 
 
 def test_killed_replica_mid_stream(fleet, fault_report):
     gateway, (victim, survivor) = fleet  # last: the victim stays dead
-    ledger = run(scenarios.replica_killed(gateway, victim, survivor), fault_report)
+    ledger = scenarios.run_and_check(scenarios.replica_killed(gateway, victim, survivor), fault_report)
     assert ledger.counts["completed"] >= 20, ledger.counts

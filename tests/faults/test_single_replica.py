@@ -4,8 +4,6 @@ SIGTERM under load. Each asserts the guarantee: nothing lost, no KV block leaked
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from tests.faults import scenarios
@@ -18,45 +16,37 @@ def replica(tmp_path_factory):
     server.stop()
 
 
-def run(ledger_coro, report):
-    ledger = asyncio.run(ledger_coro)
-    report.append(ledger)
-    print(ledger.row(), ledger.notes)
-    ledger.assert_guarantee()
-    return ledger
-
-
 def test_disconnect_storm(replica, fault_report):
     server, keys = replica
-    ledger = run(scenarios.disconnect_storm(server, keys["steady"]), fault_report)
+    ledger = scenarios.run_and_check(scenarios.disconnect_storm(server, keys["steady"]), fault_report)
     assert ledger.counts["cancelled"] >= 24 and ledger.counts["completed"] >= 4
 
 
 def test_slow_reader_is_cut_and_others_finish(replica, fault_report):
     server, keys = replica
-    ledger = run(scenarios.slow_reader(server, keys["steady"]), fault_report)
+    ledger = scenarios.run_and_check(scenarios.slow_reader(server, keys["steady"]), fault_report)
     assert ledger.counts["completed"] == 4 and ledger.counts["error"] == 1
 
 
 def test_kv_exhaustion_preempts_and_every_request_finishes(replica, fault_report):
     server, keys = replica
-    ledger = run(scenarios.preemption_storm(server, keys["steady"]), fault_report)
+    ledger = scenarios.run_and_check(scenarios.preemption_storm(server, keys["steady"]), fault_report)
     assert ledger.counts["completed"] + ledger.counts["shed"] == 16 and ledger.counts["completed"] >= 8
 
 
 def test_overload_is_shed_explicitly(replica, fault_report):
     server, keys = replica
-    ledger = run(scenarios.overload(server, keys["bulk"]), fault_report)
+    ledger = scenarios.run_and_check(scenarios.overload(server, keys["bulk"]), fault_report)
     assert ledger.counts["shed"] > 0 and ledger.counts["completed"] > 0
 
 
 def test_stuck_engine_loop_fails_liveness_then_recovers(replica, fault_report):
     server, keys = replica
-    ledger = run(scenarios.engine_stall(server, keys["steady"]), fault_report)
+    ledger = scenarios.run_and_check(scenarios.engine_stall(server, keys["steady"]), fault_report)
     assert ledger.counts["completed"] == 6 and ledger.recovery_s is not None
 
 
 def test_sigterm_under_load_finishes_in_flight_and_exits_zero(replica, fault_report):
     server, keys = replica  # last: the server is gone after it
-    ledger = run(scenarios.sigterm_under_load(server, keys["steady"]), fault_report)
+    ledger = scenarios.run_and_check(scenarios.sigterm_under_load(server, keys["steady"]), fault_report)
     assert ledger.counts["completed"] >= 8
