@@ -71,7 +71,7 @@ class PackedWeight(nn.Module):
                 f"scales={self.scales.dtype}, mins={self.mins is not None}, kernel={self.kernels is not None}")
 
     def _kernel_ok(self, x: torch.Tensor) -> bool:
-        return self.kernels is not None and x.device.type == "cpu" and self.in_features % 32 == 0
+        return self.kernels is not None and x.is_cpu and self.in_features % 32 == 0
 
     def _vnni_ok(self, x: torch.Tensor) -> bool:
         return (x.dtype != torch.float32 and self.kernels.has_vnni
