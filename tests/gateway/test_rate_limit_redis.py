@@ -87,3 +87,31 @@ def test_two_gateway_processes_share_one_limit(store, redis_url):
     assert admitted * 60 <= 1000 and admitted == 1000 // 60
     # Without the shared bucket the second replica would admit another 16, whatever the split.
     assert {s for _, statuses in outcomes for s in statuses} == {429}
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+def test_unreachable_redis_follows_the_failure_mode(make_gateway, store, mode):
+    """Nothing listens on the Redis port: closed answers 503 + Retry-After, open admits unmetered;
+    neither is a 500, and the failures are counted."""
+    from tests.e2e.server_process import free_port
+
+    store.create_tenant("acme", rpm=100, tpm=1000)
+    key = store.create_key("acme")[1]
+    gw = make_gateway(redis_url=f"redis://127.0.0.1:{free_port()}/0", rate_limit_failure_mode=mode)
+    if mode == "closed":
+        with pytest.raises(APIError) as info:
+            gw.admit_sync({"authorization": f"Bearer {key}"}, "127.0.0.1", "m", 10, 100, None)
+        assert info.value.status == 503 and info.value.code == "rate_limiter_unavailable"
+        assert info.value.headers["Retry-After"] == "1"
+    else:
+        admission = gw.admit_sync({"authorization": f"Bearer {key}"}, "127.0.0.1", "m", 10, 100, None)
+        assert admission.reservation is None  # nothing to settle against the store that is down
+        gw.finish_sync(admission, 200, 10, 5)
+    assert gw.limiter_failures >= 1
+
+
+def test_failure_mode_is_checked():
+    from ferrylm.gateway.config import ConfigError, GatewayConfig
+
+    with pytest.raises(ConfigError, match="rate_limit_failure_mode"):
+        GatewayConfig(rate_limit_failure_mode="sometimes")
