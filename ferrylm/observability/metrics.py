@@ -95,6 +95,23 @@ class ThroughputCollector(Collector):
         return [family]
 
 
+class ReadCounter(Collector):
+    """A counter some component keeps as a plain int, read at scrape time (no locking on its hot
+    path): `ferrylm:rate_limiter_failures_total` from the gateway policy's count."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], int]):
+        self._name, self._doc, self._read = PREFIX + name, doc, read
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self._name, self._doc)
+        family.add_metric([], float(self._read()))
+        return [family]
+
+
+RATE_LIMITER_FAILURES = ("rate_limiter_failures", "Rate-limit store (Redis) errors, each answered per "
+                         "--rate-limit-failure-mode (closed: 503, open: admitted unmetered).")
+
+
 class ServerMetrics:
     """All of one server's metrics; `registry` is private to it (tests run several apps per process)."""
 

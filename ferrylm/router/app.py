@@ -77,8 +77,10 @@ class GatewayState:
         self.gateway = None
         if config.gateway is not None:
             from ferrylm.gateway.policy import Gateway
+            from ferrylm.observability.metrics import RATE_LIMITER_FAILURES, ReadCounter
 
-            self.gateway = Gateway(config.gateway)
+            gateway = self.gateway = Gateway(config.gateway)
+            self.metrics.registry.register(ReadCounter(*RATE_LIMITER_FAILURES, lambda: gateway.limiter_failures))
         self.client: httpx.AsyncClient | None = None
         self.dispatcher: Dispatcher | None = None
         self.poller: HealthPoller | None = None

@@ -48,8 +48,10 @@ class ServerState:
         self.gateway = None
         if config.gateway is not None:
             from ferrylm.gateway.policy import Gateway
+            from ferrylm.observability.metrics import RATE_LIMITER_FAILURES, ReadCounter
 
-            self.gateway = Gateway(config.gateway)
+            gateway = self.gateway = Gateway(config.gateway)
+            self.metrics.registry.register(ReadCounter(*RATE_LIMITER_FAILURES, lambda: gateway.limiter_failures))
 
     def _stats(self) -> LoadReport | None:
         return self.engine.stats() if self.engine is not None else None

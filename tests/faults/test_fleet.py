@@ -45,6 +45,7 @@ def test_redis_killed_and_restarted(limited_gateways, mode, fault_report):
     else:
         assert ledger.counts["shed"] >= 6 and ledger.counts["completed"] >= 12, ledger.counts
     assert ledger.recovery_s is not None and ledger.recovery_s < 5
+    assert gateways[mode].metrics()["ferrylm:rate_limiter_failures_total"] >= 6  # the outage is visible
 
 
 def test_stuck_replica_is_ejected_and_returns(fleet, fault_report):
