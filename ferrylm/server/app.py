@@ -303,7 +303,8 @@ async def debug_kv(request: Request) -> dict:
         await asyncio.to_thread(check)
     stats = engine.stats()
     return {"kv_blocks_used": stats.kv_blocks_used, "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting, "invariants": "ok" if check is not None else "unchecked"}
+            "num_waiting": stats.num_waiting, "num_swapped": stats.num_swapped,
+            "invariants": "ok" if check is not None else "unchecked"}
 
 
 def _inline_refs(node: Any, defs: dict) -> Any:
