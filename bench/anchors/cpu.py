@@ -63,3 +63,16 @@ class CpuWindow:
         ours = self._ours() - self.ours0
         total -= self.total0
         self.foreign_share = max(0.0, (busy - self.busy0 - ours) / total) if total else 0.0
+
+
+def describe_cpu() -> dict:
+    """The machine a figure was measured on: model, cores, the ISA level FerryLM's kernels pick, and
+    the ISA-relevant flags (figures from an AVX2 box and an AVX-512 one are not comparable)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from ferrylm.model.cpu_isa import RELEVANT_FLAGS, this_cpu
+
+    cpu = this_cpu()
+    return {"model": cpu.model, "arch": cpu.arch, "cpus": os.cpu_count(), "best_variant": cpu.supported()[-1].name,
+            "isa_flags": sorted(cpu.flags & RELEVANT_FLAGS)}

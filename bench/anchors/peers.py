@@ -102,6 +102,118 @@ def install(peer: Peer) -> dict:
     return stamp
 
 
+LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors the llama.cpp the llama-cpp peer runs: the servers build the same
+SERVER_TARGETS = ("llama-server", "llama-batched-bench")  # the bench is small, and the extra-buffers probe
+SERVER_COMMON = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+                 "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")  # no web UI: no npm, no download
+AVX2_ONLY = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
+             "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+             "-DGGML_AMX_BF16=OFF")
+
+
+@dataclass(frozen=True)
+class ServerBuild:
+    """One cmake build of llama.cpp's llama-server (statically linked) under bench/.peers/<name>/."""
+
+    name: str
+    label: str
+    flags: tuple[str, ...]
+
+    @property
+    def dir(self) -> Path:
+        return PEERS / self.name
+
+    @property
+    def bin(self) -> Path:
+        return self.dir / "build" / "bin"
+
+    @property
+    def server(self) -> Path:
+        return self.bin / "llama-server"
+
+    @property
+    def stamp(self) -> Path:
+        return self.dir / STAMP
+
+
+LLAMA_SERVER = ServerBuild("llama-server-native", "llama-server", ("-DGGML_NATIVE=ON",))
+LLAMA_SERVER_AVX2 = ServerBuild("llama-server-avx2", "llama-server AVX2", AVX2_ONLY)
+SERVER_BY_ENGINE = {"llamaserver": LLAMA_SERVER, "llamaserver-avx2": LLAMA_SERVER_AVX2}
+
+
+def llama_cpp_source(log: Path) -> Path:
+    """llama.cpp as vendored in the llama-cpp-python sdist (pip download, once), extracted once."""
+    src = PEERS / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    if (src / STAMP).exists():
+        return src
+    sdists = PEERS / "sdist"
+    name = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not (sdists / name).exists():
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(sdists),
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], log)
+    import tarfile
+
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+    tmp = src.with_name(src.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(sdists / name) as tar:
+        members = []
+        for m in tar.getmembers():
+            if m.name.startswith(prefix) and m.name != prefix:
+                m.name = m.name[len(prefix):]
+                members.append(m)
+        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(tmp, members=members, **kwargs)
+    (tmp / STAMP).write_text(json.dumps({"from": name, "at": time.ctime()}))
+    shutil.rmtree(src, ignore_errors=True)
+    tmp.rename(src)
+    return src
+
+
+def build_server(build: ServerBuild, jobs: int = 2) -> dict:
+    """cmake-build llama-server (and llama-batched-bench) unless the stamp says done; returns the stamp.
+    `nice -n 19` and -j2 by default (LLAMA_SERVER_JOBS overrides): the machine is shared while it builds."""
+    if build.stamp.exists():
+        return json.loads(build.stamp.read_text())
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = LOGS / f"install-{build.name}.log"
+    print(f"building {build.name} (log: {log}) ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with locked("llama-cpp-source"):
+        src = llama_cpp_source(log)
+    jobs = int(os.environ.get("LLAMA_SERVER_JOBS", jobs))
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    # build-info.cmake asks git for a commit: keep it from finding FerryLM's repository around bench/.peers/
+    env = os.environ | {"GIT_CEILING_DIRECTORIES": str(PEERS)}
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    _run(nice + ["cmake", "-S", str(src), "-B", str(build.dir / "build"), *generator, *SERVER_COMMON, *build.flags],
+         log, env)
+    _run(nice + ["cmake", "--build", str(build.dir / "build"), "--target", *SERVER_TARGETS, "-j", str(jobs)], log, env)
+    stamp = {"seconds": round(time.perf_counter() - start, 1), "llama_cpp_python": LLAMA_CPP_PYTHON,
+             "flags": list(SERVER_COMMON + build.flags), "jobs": jobs, "at": time.ctime()}
+    build.stamp.write_text(json.dumps(stamp))
+    print(f"built {build.name} in {stamp['seconds']:.0f} s", file=sys.stderr, flush=True)
+    return stamp
+
+
+def server_extra_buffers_work(build: ServerBuild, gguf: Path) -> bool:
+    """As llamacpp_extra_buffers_work, for a server build: bench/anchors/llama_server.py's probe (two short
+    requests on a 2-slot llama-server) with extra buffer types on; when it fails (SIGILL in AMX), the worker
+    passes --no-repack, llama-server's switch for them. Probed once per build, stamped (with the server's
+    system_info: the CPU features the build uses, which the worker reports)."""
+    stamp = build.dir / ".extra-buffers-probe"  # llama_server.PROBE_STAMP
+    if not stamp.exists():
+        cmd = [sys.executable, str(Path(__file__).with_name("llama_server.py")), "--server", str(build.server),
+               "--model", str(gguf)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        lines = proc.stdout.strip().splitlines()
+        info = json.loads(lines[-1]).get("info", {}) if proc.returncode == 0 and lines else {}
+        stamp.write_text(json.dumps({"returncode": proc.returncode, "info": info, "stderr_tail": proc.stderr[-3000:]}))
+    return json.loads(stamp.read_text())["returncode"] == 0
+
+
 def ensure_tcmalloc() -> None:
     """vLLM's CPU guide preloads tcmalloc (and Intel OpenMP, which its wheel brings); a Debian package."""
     if ctypes.util.find_library("tcmalloc_minimal") or not shutil.which("apt-get") or os.geteuid() != 0:
@@ -191,13 +303,20 @@ def locked(name: str) -> Iterator[None]:
 
 
 def main() -> int:
-    """`python bench/anchors/peers.py [vllm,llamacpp]`: install only (e.g. ahead of a measurement)."""
+    """`python bench/anchors/peers.py [vllm,llamacpp,llamaserver,llamaserver-avx2]`: install only (e.g. ahead of a
+    measurement); no argument: vllm and llamacpp."""
     names = [n for n in sys.argv[1].split(",") if n] if len(sys.argv) > 1 else list(PEER_BY_ENGINE)
-    with locked("model"):
-        hf_model(gguf_path())
+    if unknown := set(names) - set(PEER_BY_ENGINE) - set(SERVER_BY_ENGINE):
+        raise SystemExit(f"unknown peers {sorted(unknown)}: {sorted(PEER_BY_ENGINE) + sorted(SERVER_BY_ENGINE)}")
+    if set(names) & set(PEER_BY_ENGINE):
+        with locked("model"):
+            hf_model(gguf_path())
     for name in names:
         with locked(name):
-            install(PEER_BY_ENGINE[name])
+            if name in SERVER_BY_ENGINE:
+                build_server(SERVER_BY_ENGINE[name])
+            else:
+                install(PEER_BY_ENGINE[name])
     return 0
 
 

@@ -7,6 +7,10 @@ on stdout; the engines' own logging goes to stderr (stdout is re-pointed there s
 corrupt the channel).
 
     python bench/anchors/worker.py --engine ferrylm|vllm|llamacpp --model PATH [--quantization Q]
+    python bench/anchors/worker.py --engine llamaserver --model GGUF --server PATH/llama-server
+
+llamaserver / llamaserver-avx2 (bench/anchors/llama_server.py) run llama.cpp's llama-server, which decodes
+many sequences in parallel; the worker drives it over loopback HTTP, from FerryLM's venv Python.
 """
 
 from __future__ import annotations
@@ -51,9 +55,13 @@ class FerryLMEngine:
         if kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(model, dtype="auto", max_num_seqs=64, max_num_batched_tokens=1024, seed=0, **kwargs)
+        runner = self.llm.engine.runner
+        if hasattr(runner, "wait_compiled"):  # trees from M3.1 on compile in the background: time the graphs
+            runner.wait_compiled()
         self.params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        self.info = {"dtype": str(self.llm.engine.runner.dtype), "quantization": quantization,
-                     "kv_cache_dtype": kv_cache_dtype}
+        self.info = {"dtype": str(runner.dtype), "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+                     "kernels": os.environ.get("FERRYLM_CPU_ISA", "auto"),
+                     "compiled": getattr(runner, "compiled", None) is not None}
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], [self.params(n) for n in max_tokens],
@@ -150,7 +158,14 @@ def _drain_steps(step, unfinished) -> tuple[list[int], list[float]]:
     return ids, times
 
 
-ENGINES = {"ferrylm": FerryLMEngine, "vllm": VLLMEngine, "llamacpp": LlamaCppEngine}
+def _llama_server(model: str, quantization: str, extra_buffers: bool = True, server: str | None = None):
+    from llama_server import LlamaServerEngine  # bench/anchors/ (this script's folder) is on sys.path
+
+    return LlamaServerEngine(model, quantization, extra_buffers, server=server)
+
+
+ENGINES = {"ferrylm": FerryLMEngine, "vllm": VLLMEngine, "llamacpp": LlamaCppEngine,
+           "llamaserver": _llama_server, "llamaserver-avx2": _llama_server}
 
 
 def run(engine: Engine, req: dict) -> dict:
@@ -192,6 +207,7 @@ def main() -> int:
     p.add_argument("--quantization", default="none", help="ferrylm only: LLM(quantization=...)")
     p.add_argument("--no-extra-buffers", action="store_true", help="llamacpp only: no AMX / repacked weights")
     p.add_argument("--kv-cache-dtype", default="auto", help="ferrylm only: LLM(kv_cache_dtype=...)")
+    p.add_argument("--server", help="llamaserver*: the llama-server binary")
     args = p.parse_args()
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -201,6 +217,8 @@ def main() -> int:
 
     start = time.perf_counter()
     extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.engine == "ferrylm" else {}
+    if args.engine.startswith("llamaserver"):
+        extra = {"server": args.server}
     engine = ENGINES[args.engine](args.model, args.quantization, not args.no_extra_buffers, **extra)
     load_s = time.perf_counter() - start
     warm_up(engine)

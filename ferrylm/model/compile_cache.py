@@ -24,13 +24,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ferrylm.model.cpu_isa import CpuInfo, select_variant, this_cpu
+
 log = logging.getLogger("ferrylm.compile")
 
 
-def compile_cache_dir() -> Path:
-    """$FERRYLM_CACHE_DIR/compiled (default ~/.cache/ferrylm/compiled)."""
+def compile_cache_dir(cpu: CpuInfo | None = None) -> Path:
+    """$FERRYLM_CACHE_DIR/compiled/<CPU fingerprint> (default ~/.cache/ferrylm/...): inductor's generated
+    C++ uses every instruction the compiling CPU has, so a cache copied to a machine with other ISA
+    flags (an AVX-512 build on an AVX2 host) lands in another directory and is never loaded there."""
     root = Path(os.environ.get("FERRYLM_CACHE_DIR", Path.home() / ".cache" / "ferrylm"))
-    return root / "compiled"
+    return root / "compiled" / (cpu or this_cpu()).fingerprint()
 
 
 def sources_unchanged(step) -> bool:
@@ -53,7 +57,8 @@ def _tensor_sig(t: torch.Tensor) -> str:
 def step_key(model: nn.Module, kv_caches: list, inputs: tuple[torch.Tensor, ...], options: dict) -> str:
     """A short hex digest of everything a compiled step of `model` over these inputs depends on."""
     parts = [torch.__version__, str(torch.version.git_version), platform.machine(),
-             torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads()),
+             torch.backends.cpu.get_cpu_capability(), this_cpu().fingerprint(), select_variant().name,
+             str(torch.get_num_threads()),
              repr(sorted(options.items())), repr(model), repr(getattr(model, "config", None)),
              type(getattr(model, "attn_backend", None)).__name__,
              repr(sorted({type(getattr(m, "fused_ops", None)).__name__ for m in model.modules()}))]

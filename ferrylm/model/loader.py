@@ -103,12 +103,13 @@ def _check_shape(origin: str, ckpt_name: str, got: tuple[int, ...], expected: tu
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                max_positions: int | None = None, fused_ops=None,
-               quantization: QuantConfig | None = None, tp=None) -> LlamaForCausalLM:
+               quantization: QuantConfig | None = None, tp=None, int8_activations: bool = False) -> LlamaForCausalLM:
     """Allocate on the meta device, materialise in `dtype` on `device`, fill from the checkpoint, then let
-    each Linear's QuantMethod (chosen from `quantization`, see quant.select_quant_method) process it."""
+    each Linear's QuantMethod (chosen from `quantization`, see quant.select_quant_method) process it.
+    `int8_activations`: packed weights' decode GEMVs quantize fp32 activations to int8 too."""
     config = checkpoint.config
     kind = getattr(checkpoint.source, "kind", "hf")
-    method = select_quant_method(quantization, kind, device, dtype)
+    method = select_quant_method(quantization, kind, device, dtype, int8_activations)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, fused_ops, quant=method,
                                  lm_head_quant=method.lm_head_method(), tp=tp)

@@ -4,6 +4,7 @@ into a ForwardBatch, runs the model and samples the next token for requests that
 from __future__ import annotations
 
 import logging
+import threading
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,10 @@ class ModelRunner:
     `attention`: which backend select_backend picks ("auto" unless a test wants a given one).
     `quantization`: the parsed --quantization (None: the default, see quant.select_quant_method).
     `enforce_eager`: no CUDA graphs (CUDA) and no compiled decode step (CPU, compiled_step.py).
+    `compile_in_background`: the CPU decode graphs compile on a thread while steps run eagerly
+    (wait_compiled() waits for them); False compiles them here, before the constructor returns.
+    `int8_activations`: packed weights' decode GEMVs quantize fp32 activations to int8 per 32 values
+    (the default for --dtype auto, cpu_plan.py); off, a float32 model is exact against its twin.
     `cache_config.cache_dtype`: "auto" keeps K/V in `dtype`; fp8 / int8 (kv_quant.py) need a backend
     with `supports_quantized_kv` (torch-native, CPU and Triton have it).
     """
@@ -68,7 +73,7 @@ class ModelRunner:
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto",
                  quantization: QuantConfig | None = None, speculative: SpeculativeConfig | None = None,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, compile_in_background: bool = True, int8_activations: bool = False):
         self.config: ModelConfig = checkpoint.config  # the whole model's (vocabulary, layers, EOS)
         if tp is not None and device.type != "cpu":
             raise ConfigError("--tensor-parallel-size > 1 runs on CPU (gloo) in this version; NCCL on CUDA is not "
@@ -90,7 +95,7 @@ class ModelRunner:
             raise ConfigError(f"--kv-cache-dtype {self.cache_dtype} is not supported by the "
                               f"{type(self.attn_backend).__name__} attention backend; use --kv-cache-dtype auto")
         self.model: LlamaForCausalLM = load_model(load_from, dtype, device, self.attn_backend, max_model_len,
-                                                   cpu_fused_ops(device), quantization, self.tp)
+                                                   cpu_fused_ops(device), quantization, self.tp, int8_activations)
         self.max_model_len, self.attention_kind = max_model_len, attention
         draft_bytes = draft_setup.kv_bytes_per_block(speculative, self.config, self.block_size, dtype)
         self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens,
@@ -108,9 +113,11 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs, max_blocks=max_blocks,
                                           pad_block=self.num_blocks, block_size=self.block_size)
             self.graphs.capture()
+        # Set once the decode graphs are ready: until then decode steps run eagerly (same tokens).
         self.compiled: CompiledDecodeStep | None = None
+        self._compiling: threading.Thread | None = None
         if device.type == "cpu" and hasattr(self.attn_backend, "prepare_decode") and not enforce_eager:
-            self.compiled = self._compile_decode(max_num_seqs, max_blocks)
+            self._start_compile(max_num_seqs, max_blocks, compile_in_background)
         self.sampler = Sampler()
         self.states: dict[str, SamplingRequestState] = {}
         self.eos_token_ids = list(self.config.eos_token_ids)
@@ -142,9 +149,26 @@ class ModelRunner:
         self.kv_swap.swap_out(output.blocks_to_swap_out)
         self.kv_swap.swap_in(output.blocks_to_swap_in)
 
-    def _compile_decode(self, max_num_seqs: int, max_blocks: int) -> CompiledDecodeStep | None:
-        """Compile (or load from the disk cache) the decode step of every batch-size bucket now, at
-        start-up. A model that cannot compile as one graph stays eager, with a warning."""
+    def _start_compile(self, max_num_seqs: int, max_blocks: int, background: bool) -> None:
+        """Compile (or load from the disk cache) the decode step of every batch-size bucket: on a daemon
+        thread by default, so the first request is served eagerly instead of after minutes of
+        compiling on a cold cache; the graphs take over from the next step once ready."""
+        if not background:
+            self.compiled = self._compile_decode(max_num_seqs, max_blocks)
+            return
+        self._compiling = threading.Thread(target=self._compile_decode, args=(max_num_seqs, max_blocks, True),
+                                           name="ferrylm-compile", daemon=True)
+        self._compiling.start()
+
+    def wait_compiled(self, timeout: float | None = None) -> CompiledDecodeStep | None:
+        """Block until a background compile has finished (benchmarks, tests); the step or None."""
+        if self._compiling is not None:
+            self._compiling.join(timeout)
+        return self.compiled
+
+    def _compile_decode(self, max_num_seqs: int, max_blocks: int, publish: bool = False) -> CompiledDecodeStep | None:
+        """The warmed-up compiled step (also stored on self when `publish`); a model that cannot
+        compile as one graph stays eager, with a warning."""
         step = CompiledDecodeStep(self.model, self.kv_caches, max_num_seqs, max_blocks, pad_block=self.num_blocks,
                                   block_size=self.block_size)
         try:
@@ -155,6 +179,8 @@ class ModelRunner:
             return None
         log.info("compiled decode step in %.1f s (batch sizes: %s compiled, %s loaded from %s)", report.seconds,
                  report.compiled, report.loaded, step.cache_dir)
+        if publish:
+            self.compiled = step
         return step
 
     def _blocks_from_budget(self, cache_config: CacheConfig, max_num_batched_tokens: int, draft_bytes: int) -> int:

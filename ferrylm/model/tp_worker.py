@@ -44,6 +44,8 @@ def from_torchrun(world: int, environ: Mapping[str, str] | None = None) -> Rende
 
 def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, int]:
     """(ModelRunner, ModelSource, max_model_len) of `config`, for one rank when `tp_group` is given."""
+    from ferrylm.model.cpu_plan import plan_cpu
+    from ferrylm.model.cpu_threads import configure_cpu_threads
     from ferrylm.model.device import resolve_device, resolve_dtype
     from ferrylm.model.loader import Checkpoint
     from ferrylm.model.model_source import resolve_model
@@ -53,10 +55,15 @@ def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, 
     checkpoint = Checkpoint(source)
     max_model_len = config.scheduler.max_model_len or checkpoint.config.max_position_embeddings
     device = resolve_device(config.device)
+    int8_activations = False
+    if device.type == "cpu":
+        plan = plan_cpu(config.dtype, configure_cpu_threads())
+        log.info("%s", plan.describe())
+        int8_activations = plan.int8_activations
     runner = ModelRunner(checkpoint, config.cache, resolve_dtype(config.dtype, device), device, max_model_len,
                          config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                          enforce_eager=config.enforce_eager, quantization=config.quant,
-                         speculative=config.speculative, tp=tp_group)
+                         speculative=config.speculative, tp=tp_group, int8_activations=int8_activations)
     return runner, source, max_model_len
 
 

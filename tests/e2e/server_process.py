@@ -23,16 +23,17 @@ def free_port() -> int:
 
 class ServerProcess:
     """Starts the server (or, with command="gateway", a gateway) at construction; `wait_ready`
-    polls /ready; logs go to a temp file. `port` reuses a port (a replica restarted in place)."""
+    polls /ready; logs go to a temp file. `port` reuses a port (a replica restarted in place).
+    `eager=False` keeps serve's default compiled decode step (tests add --enforce-eager otherwise)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None,
-                 command: str = "serve", port: int | None = None, cwd: str | None = None):
+                 command: str = "serve", port: int | None = None, cwd: str | None = None, eager: bool = True):
         self.port = port or free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="ferrylm-e2e-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "ferrylm.cli", command, "--host", "127.0.0.1", "--port", str(self.port), *args]
-        if command == "serve" and not any(a.endswith("enforce-eager") for a in args):
+        if command == "serve" and eager and not any(a.endswith("enforce-eager") for a in args):
             cmd.append("--enforce-eager")  # a compiled decode step costs each server seconds to minutes at start
         if api_key:
             cmd += ["--api-key", api_key]

@@ -35,17 +35,18 @@ from ferrylm.model.loader import Checkpoint
 from ferrylm.model.model_source import resolve_model
 from ferrylm.model.runner import ModelRunner
 runner = ModelRunner(Checkpoint(resolve_model(sys.argv[1])), CacheConfig(block_size=16, num_blocks=32),
-                     torch.bfloat16, torch.device("cpu"), 64, max_num_seqs=4)
+                     torch.bfloat16, torch.device("cpu"), 64, max_num_seqs=4, compile_in_background=False)
 report = runner.compiled.report
 print(json.dumps({"loaded": report.loaded, "compiled": report.compiled, "seconds": report.seconds}))
 """
 
 
 def _runner(directory: Path, enforce_eager: bool, cache_dtype: str = "auto",
-            max_num_seqs: int = MAX_SEQS) -> ModelRunner:
+            max_num_seqs: int = MAX_SEQS, background: bool = False) -> ModelRunner:
     return ModelRunner(Checkpoint(resolve_model(str(directory))),
                        CacheConfig(block_size=BLOCK, num_blocks=32, cache_dtype=cache_dtype), torch.bfloat16,
-                       torch.device("cpu"), MAX_LEN, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
+                       torch.device("cpu"), MAX_LEN, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+                       compile_in_background=background)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,26 @@ def test_compiled_tokens_equal_eager(runners, monkeypatch):
     assert set(calls) == {1, 2, 3, 4}
 
 
+def test_background_compile_serves_eagerly_then_takes_over(tiny, tmp_path, monkeypatch):
+    """The default start: the constructor returns while the graphs compile (a cold cache costs minutes
+    on a slow CPU), steps run eagerly meanwhile, and once ready the compiled step serves decode rows,
+    with the same tokens throughout."""
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    runner = _runner(tiny, enforce_eager=False, max_num_seqs=1, background=True)
+    assert runner._compiling is not None and runner._compiling.is_alive(), "the constructor waited for the compile"
+    eager = _runner(tiny, enforce_eager=True, max_num_seqs=1)
+    prompt = torch.randint(3, 320, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = _greedy(eager, [prompt], [10], "bg-e")
+    assert _greedy(runner, [prompt], [10], "bg-0") == want  # served now, compiled or not
+    step = runner.wait_compiled(timeout=900)
+    assert step is not None and runner.compiled is step
+    calls: list[int] = []
+    original = step.logits
+    monkeypatch.setattr(step, "logits", lambda batch: calls.append(batch.num_seqs) or original(batch))
+    assert _greedy(runner, [prompt], [10], "bg-1") == want
+    assert calls == [1] * 9  # every decode step through the graph once it was ready
+
+
 def test_compiled_fp8_kv_step_equals_eager(tiny, tmp_path, monkeypatch):
     """With --kv-cache-dtype fp8 the C++ quantizing KV write is traced into the graph; one sequence
     (one graph to compile), the same tokens as eager fp8."""
@@ -127,7 +148,7 @@ def test_compiled_fp8_kv_step_equals_eager(tiny, tmp_path, monkeypatch):
 def test_restart_loads_the_compile_cache(runners, tiny, cache_dir):
     compiled, _ = runners
     assert compiled.compiled.report.compiled == ["2-4", "1"]  # a fresh cache: both compiled
-    files = {p: p.stat().st_mtime_ns for p in (cache_dir / "compiled").glob("decode-*.bin")}
+    files = {p: p.stat().st_mtime_ns for p in (cache_dir / "compiled").glob("*/decode-*.bin")}
     assert len(files) == 2
     env = {**os.environ, "FERRYLM_CACHE_DIR": str(cache_dir)}
     proc = subprocess.run([sys.executable, "-c", RUNNER_SCRIPT, str(tiny)], capture_output=True, text=True,
@@ -136,7 +157,7 @@ def test_restart_loads_the_compile_cache(runners, tiny, cache_dir):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["compiled"] == [] and report["loaded"] == ["2-4", "1"], proc.stderr[-3000:]
     assert report["seconds"] < compiled.compiled.report.seconds  # loading beats compiling
-    assert {p: p.stat().st_mtime_ns for p in (cache_dir / "compiled").glob("decode-*.bin")} == files
+    assert {p: p.stat().st_mtime_ns for p in (cache_dir / "compiled").glob("*/decode-*.bin")} == files
 
 
 def test_enforce_eager_compiles_nothing(tiny, tmp_path, monkeypatch):

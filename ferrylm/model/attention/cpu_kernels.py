@@ -1,6 +1,7 @@
-"""Loads the C++ CPU kernels (built once with torch's extension tools, cached on disk) as torch ops.
+"""Loads the C++ CPU kernels as torch ops, built for the instruction-set variant this CPU runs best
+(cpu_isa.py; kernel_build.py caches each build on disk).
 
-The library registers `torch.ops.ferrylm.{paged_decode_attention, add_rms_norm_, rope_qkv_,
+The library registers `torch.ops.ferrylm_<variant>.{paged_decode_attention, add_rms_norm_, rope_qkv_,
 write_kv_quant_}`
 (TORCH_LIBRARY_FRAGMENT in csrc/paged_decode.cpp); their fake kernels, registered here, give
 torch.compile the output shapes, so a compiled decode step traces through them as one graph.
@@ -18,12 +19,14 @@ from typing import NamedTuple
 
 import torch
 
+from ferrylm.model.cpu_isa import BY_NAME, select_variant
+from ferrylm.model.kernel_build import build_library, op_namespace
 from ferrylm.model.op_fakes import register_fakes
 
 log = logging.getLogger("ferrylm.kernels")
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+_CFLAGS = ("-ffast-math", "-fno-finite-math-only")
 
 
 class CpuKernels(NamedTuple):
@@ -34,34 +37,39 @@ class CpuKernels(NamedTuple):
     rope_qkv_: Callable[..., None]  # (qkv, positions, cos, sin, heads, head_dim), in place
     # (k, v, k_cache, v_cache, slot_mapping): quantize rows into an fp8 / int8 cache (kv_quant.py layout)
     write_kv_quant_: Callable[..., None]
+    variant: str  # the cpu_isa variant these ops were built for
 
 
-def _register_fakes() -> None:
+def _register_fakes(ns: str) -> None:
     """Shapes for tracing: attention returns q's shape; the in-place ops return nothing."""
     fakes = {
-        "ferrylm::paged_decode_attention": lambda q, k_cache, v_cache, block_tables, seq_lens, scale:
+        "paged_decode_attention": lambda q, k_cache, v_cache, block_tables, seq_lens, scale:
             torch.empty_like(q),
-        "ferrylm::add_rms_norm_": lambda x, residual, weight, eps: None,
-        "ferrylm::rope_qkv_": lambda qkv, positions, cos, sin, heads, head_dim: None,
-        "ferrylm::write_kv_quant_": lambda k, v, k_cache, v_cache, slot_mapping: None,
+        "add_rms_norm_": lambda x, residual, weight, eps: None,
+        "rope_qkv_": lambda qkv, positions, cos, sin, heads, head_dim: None,
+        "write_kv_quant_": lambda k, v, k_cache, v_cache, slot_mapping: None,
     }
-    register_fakes(fakes)
+    register_fakes({f"{ns}::{name}": fake for name, fake in fakes.items()})
 
 
-@lru_cache(maxsize=1)
-def load_cpu_kernels() -> CpuKernels | None:
-    """The ops, or None if they cannot be built here (then torch-native is used)."""
+def load_cpu_kernels(variant: str | None = None) -> CpuKernels | None:
+    """The ops of `variant` (default: FERRYLM_CPU_ISA or the best this CPU runs), or None if they
+    cannot be built here (then torch-native is used)."""
     if os.environ.get("FERRYLM_DISABLE_CPU_KERNELS"):
         return None
-    try:
-        from torch.utils.cpp_extension import load
+    return _load(select_variant(forced=variant).name)
 
-        load(name="ferrylm_cpu_ops", sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        _register_fakes()
+
+@lru_cache(maxsize=None)
+def _load(name: str) -> CpuKernels | None:
+    variant = BY_NAME[name]
+    try:
+        build_library("ferrylm_cpu_ops", _SOURCES, variant, extra_cflags=_CFLAGS)
+        ns = op_namespace(variant)
+        _register_fakes(ns)
     except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
-        log.warning("CPU attention kernel unavailable, using plain torch: %s", e)
+        log.warning("CPU attention kernel (%s) unavailable, using plain torch: %s", name, e)
         return None
-    ops = torch.ops.ferrylm
+    ops = getattr(torch.ops, ns)
     return CpuKernels(ops.paged_decode_attention.default, ops.add_rms_norm_.default, ops.rope_qkv_.default,
-                      ops.write_kv_quant_.default)
+                      ops.write_kv_quant_.default, name)

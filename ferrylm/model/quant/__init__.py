@@ -9,16 +9,20 @@ from ferrylm.model.quant.base import QuantMethod, StoredWeightMethod, Unquantize
 
 
 def select_quant_method(quant: QuantConfig | None, checkpoint_kind: str, device: torch.device,
-                        dtype: torch.dtype) -> QuantMethod:
+                        dtype: torch.dtype, int8_activations: bool = False) -> QuantMethod:
     """The method for --quantization `quant` (None: the default) on a checkpoint of `checkpoint_kind`
     ("gguf" | "hf" | ...). Raises ConfigError, naming the flag, for what cannot run here.
 
     Default: a GGUF file keeps its blocks packed where FerryLM has a packed kernel (the CPU, when the
     C++ extension builds); everything else loads unquantized, as vLLM does for safetensors.
+    `int8_activations`: fp32 activations of a decode row take the int8-activation GEMV as bf16 ones
+    do (llama.cpp's arithmetic; --dtype auto on a CPU without BF16); otherwise fp32 stays exact.
     """
     from ferrylm.model.quant.kernels import load_quant_kernels
 
     kernels = load_quant_kernels() if device.type == "cpu" else None
+    if kernels is not None and int8_activations:
+        kernels = kernels._replace(fp32_int8_gemv=True)
     if quant is None:
         quant = QuantConfig("gguf" if checkpoint_kind == "gguf" and kernels is not None else "none")
     if quant.method == "none":

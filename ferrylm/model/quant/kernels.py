@@ -1,6 +1,7 @@
-"""Loads the C++ quantized-matmul kernels as torch ops (built once with torch's extension tools,
-cached on disk): torch.ops.ferrylm.quant_* (TORCH_LIBRARY_FRAGMENT in csrc/quant_gemm.cpp). Their
-fake kernels, registered here, give torch.compile the output shapes.
+"""Loads the C++ quantized-matmul kernels as torch ops, built for the instruction-set variant this CPU
+runs best (cpu_isa.py; kernel_build.py caches each build on disk): torch.ops.ferrylm_<variant>.quant_*
+(TORCH_LIBRARY_FRAGMENT in csrc/quant_gemm.cpp). Their fake kernels, registered here, give
+torch.compile the output shapes.
 
 If they cannot be built here, callers fall back to plain torch (see packed.py).
 """
@@ -16,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from ferrylm.model.cpu_isa import BY_NAME, select_variant
+from ferrylm.model.kernel_build import build_library, op_namespace
 from ferrylm.model.op_fakes import register_fakes
 
 log = logging.getLogger("ferrylm.kernels")
@@ -32,38 +35,43 @@ class QuantKernels(NamedTuple):
     dequantize: Callable[..., torch.Tensor]  # (codes, scales, mins, group, q4, dtype) -> [N, K]
     dequantize_into: Callable[..., None]  # (codes, scales, mins, group, q4, out)
     has_amx: bool
-    has_vnni: bool
+    has_vnni: bool  # quant_linear_vnni runs here (int8 activations: AVX512-VNNI or AVX2 maddubs)
+    variant: str  # the cpu_isa variant these ops were built for
+    fp32_int8_gemv: bool = False  # policy: fp32 decode rows take quant_linear_vnni too (select_quant_method)
 
 
-def _register_fakes() -> None:
+def _register_fakes(ns: str) -> None:
     def linear(x, codes, scales, mins, group_size, q4):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     def dequantize(codes, scales, mins, group_size, q4, dtype):
         return codes.new_empty(codes.shape[0], codes.shape[1] * (2 if q4 else 1), dtype=dtype)
 
-    fakes = {"ferrylm::quant_linear": linear, "ferrylm::quant_linear_amx": linear,
-             "ferrylm::quant_linear_vnni": linear,
-             "ferrylm::quant_dequantize": dequantize,
-             "ferrylm::quant_dequantize_into": lambda codes, scales, mins, group_size, q4, out: None}
-    register_fakes(fakes)
+    fakes = {"quant_linear": linear, "quant_linear_amx": linear, "quant_linear_vnni": linear,
+             "quant_dequantize": dequantize,
+             "quant_dequantize_into": lambda codes, scales, mins, group_size, q4, out: None}
+    register_fakes({f"{ns}::{name}": fake for name, fake in fakes.items()})
 
 
-@lru_cache(maxsize=1)
-def load_quant_kernels() -> QuantKernels | None:
-    """The ops, or None if they cannot be built (or FERRYLM_DISABLE_QUANT_KERNELS is set)."""
+def load_quant_kernels(variant: str | None = None) -> QuantKernels | None:
+    """The ops of `variant` (default: FERRYLM_CPU_ISA or the best this CPU runs), or None if they
+    cannot be built (or FERRYLM_DISABLE_QUANT_KERNELS is set)."""
     if os.environ.get("FERRYLM_DISABLE_QUANT_KERNELS"):
         return None
-    try:
-        from torch.utils.cpp_extension import load
+    return _load(select_variant(forced=variant).name)
 
-        module = load(name="ferrylm_quant_ops", sources=[str(p) for p in _SOURCES],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-        _register_fakes()
+
+@lru_cache(maxsize=None)
+def _load(name: str) -> QuantKernels | None:
+    variant = BY_NAME[name]
+    try:
+        build_library("ferrylm_quant_ops", _SOURCES, variant)
+        ns = op_namespace(variant)
+        _register_fakes(ns)
     except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
-        log.warning("quantized matmul kernel unavailable, using plain torch: %s", e)
+        log.warning("quantized matmul kernel (%s) unavailable, using plain torch: %s", name, e)
         return None
-    ops = torch.ops.ferrylm
+    ops = getattr(torch.ops, ns)
     return QuantKernels(ops.quant_linear.default, ops.quant_linear_amx.default, ops.quant_linear_vnni.default,
-                        ops.quant_dequantize.default, ops.quant_dequantize_into.default, bool(module.has_amx()),
-                        bool(module.has_vnni()))
+                        ops.quant_dequantize.default, ops.quant_dequantize_into.default, bool(ops.quant_has_amx()),
+                        bool(ops.quant_has_vnni()), name)

@@ -68,13 +68,15 @@ class PackedWeight(nn.Module):
     def extra_repr(self) -> str:
         kind = "q4" if self.q4 else "q8"
         return (f"{kind}, out={self.out_features}, in={self.in_features}, group={self.group}, "
-                f"scales={self.scales.dtype}, mins={self.mins is not None}, kernel={self.kernels is not None}")
+                f"scales={self.scales.dtype}, mins={self.mins is not None}, "
+                f"kernel={self.kernels.variant if self.kernels is not None else None}, "
+                f"int8_fp32={self.kernels is not None and self.kernels.fp32_int8_gemv}")
 
     def _kernel_ok(self, x: torch.Tensor) -> bool:
         return self.kernels is not None and x.is_cpu and self.in_features % 32 == 0
 
     def _vnni_ok(self, x: torch.Tensor) -> bool:
-        return (x.dtype != torch.float32 and self.kernels.has_vnni
+        return ((x.dtype != torch.float32 or self.kernels.fp32_int8_gemv) and self.kernels.has_vnni
                 and (self.group == 32 or self.group % 64 == 0))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

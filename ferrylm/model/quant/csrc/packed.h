@@ -1,9 +1,17 @@
 // Shared by the quantized-matmul sources: the packed weight layout and how to read it.
 #pragma once
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <cstring>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+// FERRY_YMM: the 8-wide helpers below compile. FERRY_AVX2: they are this build's widest (Haswell, Zen 1-3),
+// so its kernels take the AVX2 paths; AVX-512 builds have their own.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FERRY_YMM 1
+#if !defined(__AVX512F__)
+#define FERRY_AVX2 1
+#endif
 #endif
 
 namespace ferry_quant {
@@ -29,22 +37,92 @@ struct Packed {
   int64_t rows;       // N, output features
 };
 
-// Scale (or min) of groups [g0, g0 + n) of row `row` as fp32, into `dst` (n <= 16).
+#ifdef FERRY_YMM
+// n values at p (fp16 or fp32) as fp32 in one register, zero past n (n >= 8: the first 8). A short run is
+// gathered in the register, not through memory: a vector load of floats stored one by one waits for
+// those stores to retire (store forwarding fails), which cost short rows ~1.3x.
+inline __m256 load8(const void* p, bool f16, int64_t n) {
+  if (!f16) {
+    if (n >= 8) return _mm256_loadu_ps(static_cast<const float*>(p));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(static_cast<const float*>(p), _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane));
+  }
+  const uint16_t* q = static_cast<const uint16_t*>(p);
+  if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  __m128i h = _mm_setzero_si128();
+  switch (n) {  // no masked 16-bit loads before AVX-512
+    case 7: h = _mm_insert_epi16(h, q[6], 6); [[fallthrough]];
+    case 6: h = _mm_insert_epi16(h, q[5], 5); [[fallthrough]];
+    case 5: h = _mm_insert_epi16(h, q[4], 4); [[fallthrough]];
+    case 4: h = _mm_insert_epi16(h, q[3], 3); [[fallthrough]];
+    case 3: h = _mm_insert_epi16(h, q[2], 2); [[fallthrough]];
+    case 2: h = _mm_insert_epi16(h, q[1], 1); [[fallthrough]];
+    case 1: h = _mm_insert_epi16(h, q[0], 0); [[fallthrough]];
+    default: break;
+  }
+  return _mm256_cvtph_ps(h);
+}
+#endif
+
+// Scale (or min) of groups [g0, g0 + n) of row `row` as fp32, into `dst` (n <= 16). SIMD builds write
+// whole vectors, zero past n: up to the next multiple of 8 (AVX2), or all 16 (AVX-512).
 inline void stage(const void* base, bool f16, int64_t row, int64_t groups, int64_t g0, int64_t n, float* dst) {
+  const int64_t at = row * groups + g0;
 #if defined(__AVX512F__)
   const __mmask16 k = static_cast<__mmask16>((1u << n) - 1);
-  const int64_t at = row * groups + g0;
   _mm512_storeu_ps(dst, f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const at::Half*>(base) + at))
                             : _mm512_maskz_loadu_ps(k, static_cast<const float*>(base) + at));
+#elif defined(FERRY_YMM)
+  const int64_t size = f16 ? 2 : 4;
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(dst + i, load8(static_cast<const char*>(base) + (at + i) * size, f16, n - i));
 #else
-  if (f16) {
-    const at::Half* p = static_cast<const at::Half*>(base) + row * groups + g0;
-    for (int64_t i = 0; i < n; ++i) dst[i] = to_f(p[i]);
-  } else {
-    std::memcpy(dst, static_cast<const float*>(base) + row * groups + g0, n * sizeof(float));
+  if (!f16) {
+    std::memcpy(dst, static_cast<const float*>(base) + at, n * sizeof(float));
+    return;
   }
+  const at::Half* p = static_cast<const at::Half*>(base) + at;
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(p[i]);
 #endif
 }
+
+#ifdef FERRY_YMM
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The 32 codes of one block as fp32, v[i] = elements 8i..8i+7 (q4: 16 bytes at p, low nibbles are
+// elements 0-15, high 16-31; q8: 32 signed bytes). Each byte is read once, widened in registers.
+template <bool Q4>
+inline void widen32(const uint8_t* p, __m256 v[4]) {
+  if constexpr (Q4) {
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m256i low = _mm256_set1_epi32(0xF);
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  } else {
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+  }
+}
+
+// 8 floats to bf16, rounded to nearest even as c10 does (NaN stays a quiet NaN): without AVX512-BF16,
+// add 0x7FFF plus the lowest kept bit and drop the low 16 bits.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // packus works within 128-bit lanes: [0-3 | 0-3 | 4-7 | 4-7] as 16-bit, then gather the two halves
+  const __m256i packed = _mm256_packus_epi32(r, r);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
 
 // Elements [k, k + 32) of row n as fp32 (scale * q + min), the values the matmul multiplies with.
 // `s` / `z` point at the staged fp32 scale / min of the group holding element k (z all zero when
@@ -66,6 +144,14 @@ inline void unpack32(const Packed& w, bool q4, int64_t n, int64_t k, const float
   }
   _mm512_storeu_ps(dst, _mm512_fmadd_ps(lo, _mm512_set1_ps(s[0]), _mm512_set1_ps(z[0])));
   _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(hi, _mm512_set1_ps(s[h]), _mm512_set1_ps(z[h])));
+#elif defined(FERRY_AVX2)
+  __m256 v[4];
+  if (q4) widen32<true>(c + k / 2, v);
+  else widen32<false>(c + k, v);
+  for (int i = 0; i < 4; ++i) {
+    const int g = i < 2 ? 0 : h;
+    _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(v[i], _mm256_set1_ps(s[g]), _mm256_set1_ps(z[g])));
+  }
 #else
   for (int e = 0; e < 32; ++e) {
     const float q = q4 ? static_cast<float>(e < 16 ? (c[k / 2 + e] & 0xF) : (c[k / 2 + e - 16] >> 4))
