@@ -154,6 +154,13 @@ def _cmd(python: Path | str, engine: str, model: Path | str, *extra: str) -> lis
     return [str(python), str(WORKER), "--engine", engine, "--model", str(model), *extra]
 
 
+def _forced_isa_env(isa: str) -> dict[str, str]:
+    """FerryLM's kernels forced to `isa`, and torch's own (ATen's GEMMs, inductor's generated code) to the
+    same level, so a forced AVX2 row on an AVX-512 machine runs what an AVX2-only machine would."""
+    aten = {"portable": "default", "avx2": "avx2"}.get(isa, "avx512")
+    return {"FERRYLM_CPU_ISA": isa, "ATEN_CPU_CAPABILITY": aten}
+
+
 def make_workers(args: argparse.Namespace) -> list[Worker]:
     """FerryLM (one worker per quantization), then the peers, in the order they alternate."""
     base = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -167,7 +174,7 @@ def make_workers(args: argparse.Namespace) -> list[Worker]:
             for isa in args.ferrylm_isa.split(","):  # "avx2": the AVX2 kernels forced on a bigger CPU
                 suffix = "" if isa == "auto" else f"-{isa}"
                 workers.append(Worker(name + suffix, label + (f" [{isa}]" if suffix else ""), cmd,
-                                      base | ({"FERRYLM_CPU_ISA": isa} if suffix else {}), args.timeout))
+                                      base | (_forced_isa_env(isa) if suffix else {}), args.timeout))
     if "vllm" in engines:
         cpus = os.cpu_count() or 1
         env = base | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

@@ -28,7 +28,7 @@ from ferrylm.model.quant.weight_only import quantize_int4  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LAYERS = 30
-VNNI_MAX_M = 4  # the VNNI kernel's limit
+VNNI_MAX_M = 8  # the VNNI kernel's limit (MAX_ROWS in vnni_gemv.cpp)
 
 
 def paths(p: PackedWeight, dtype: torch.dtype, m: int) -> dict:

@@ -1,4 +1,5 @@
-"""The quantized GEMV per instruction-set variant, on SmolLM2-135M's Q4_1 shapes at one activation row.
+"""The quantized GEMV per instruction-set variant, on SmolLM2-135M's Q4_1 shapes (one activation row, or
+--rows: the 2..8 of a speculative verify step).
 
 For each variant this CPU runs (cpu_isa.py: portable = the scalar twin, avx2, avx512, avx512_bf16, ...):
 quant_linear (the exact path, fp32 x) and quant_linear_vnni (x rounded to int8 per 32: AVX512-VNNI or
@@ -9,6 +10,7 @@ within one run.
 
     FERRYLM_CACHE_DIR=/tmp/fcache_quant .venv/bin/python bench/quant_variants.py
     .venv/bin/python bench/quant_variants.py --variants avx2,avx512_bf16 --reps 200 --threads 1
+    .venv/bin/python bench/quant_variants.py --variants avx2,avx512_bf16 --rows 1,2,3,4,5,6,7,8 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def timed(fns: dict, reps: int) -> dict[str, float]:
 
 
 def methods(w: tuple, x: torch.Tensor, kernels: dict) -> dict:
-    dense = dequantize_packed(*w)
+    dense = dequantize_packed(*w).to(x.dtype)
     same_bytes = torch.randn(weight_bytes(w) // 4)  # reading as many bytes: a bandwidth ceiling
-    fns = {"read (max)": lambda: same_bytes.max(), "torch fp32": lambda: F.linear(x, dense)}
+    fns = {"read (max)": lambda: same_bytes.max(), f"torch {str(x.dtype)[6:]}": lambda: F.linear(x, dense)}
     for name, k in kernels.items():
         fns[f"{name} exact"] = lambda k=k: k.quant_linear(x, *w)
         if k.has_vnni:
@@ -74,6 +76,8 @@ def main() -> None:
     ap.add_argument("--variants", default="portable,avx2,avx512,avx512_bf16")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1", help="activation rows M, comma-separated")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of x")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernels = {}
@@ -84,18 +88,20 @@ def main() -> None:
             print(f"skip {name}: did not build")
         else:
             kernels[name] = k
-    print(f"\nM = 1, fp32 x, {args.threads} threads: median ms per call (GB/s of packed weight read)")
-    rows = []
-    for label, (n, k) in SHAPES.items():
-        w = q4_1(n, k)
-        x = torch.randn(1, k)
-        reps = args.reps if n * k < 10_000_000 else max(10, args.reps // 5)
-        t = timed(methods(w, x, kernels), reps)
-        rows.append((label, weight_bytes(w), t))
-    names = list(rows[0][2])
-    print(f"{'shape':<20}" + "".join(f"{n:>22}" for n in names))
-    for label, size, t in rows:
-        print(f"{label:<20}" + "".join(f"{t[n] * 1e3:>12.3f} ({size / t[n] / 1e9:5.1f})" for n in names))
+    dtype = getattr(torch, args.dtype)
+    for m in (int(v) for v in args.rows.split(",")):
+        print(f"\nM = {m}, {args.dtype} x, {args.threads} threads: median ms per call (GB/s of packed weight read)")
+        rows = []
+        for label, (n, k) in SHAPES.items():
+            w = q4_1(n, k)
+            x = torch.randn(m, k).to(dtype)
+            reps = args.reps if n * k < 10_000_000 else max(10, args.reps // 5)
+            t = timed(methods(w, x, kernels), reps)
+            rows.append((label, weight_bytes(w), t))
+        names = list(rows[0][2])
+        print(f"{'shape':<20}" + "".join(f"{n:>22}" for n in names))
+        for label, size, t in rows:
+            print(f"{label:<20}" + "".join(f"{t[n] * 1e3:>12.3f} ({size / t[n] / 1e9:5.1f})" for n in names))
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ class LlamaServerEngine:
         if not server or not Path(server).exists():
             raise RuntimeError(f"llama-server binary not found: {server!r} (python bench/anchors/peers.py "
                                "llamaserver,llamaserver-avx2 builds it)")
-        self.threads = threads or os.cpu_count() or 1
+        # all CPUs, as the llamacpp engine; LLAMA_SERVER_THREADS overrides (llama.cpp's threads meet at a
+        # barrier every op: on a busy 2-CPU box, 2 threads decode far slower than 1)
+        self.threads = threads or int(os.environ.get("LLAMA_SERVER_THREADS", 0)) or os.cpu_count() or 1
         self.port = _free_port()
         cmd = [server, "--model", model, "--host", HOST, "--port", str(self.port),
                "--parallel", str(slots), "--cont-batching", "--ctx-size", str(slots * SLOT_CTX),

@@ -28,8 +28,9 @@ class CpuPlan(NamedTuple):
     def describe(self) -> str:
         native = "native BF16" if cpu_has_bf16() else "no native BF16"
         gemv = "int8-quantized activations" if self.int8_activations else "exact fp32/bf16 activations"
+        dtype = str(self.dtype).removeprefix("torch.")
         return (f"CPU {self.cpu.model or self.cpu.arch} ({self.cpu.arch}, {native}): {self.variant} kernels "
-                f"(best supported: {self.cpu.supported()[-1].name}), activations {str(self.dtype).removeprefix('torch.')}, "
+                f"(best supported: {self.cpu.supported()[-1].name}), activations {dtype}, "
                 f"decode GEMV with {gemv}, {self.threads} threads")
 
 

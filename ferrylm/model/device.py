@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+
+from ferrylm.model.cpu_isa import select_variant
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
 def cpu_has_bf16() -> bool:
-    """True on CPUs with AVX512-BF16 or AMX, where bf16 GEMMs run ~2x faster than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """True when the kernel variant in use (cpu_isa.py: the best the CPU reports, or FERRYLM_CPU_ISA)
+    computes bf16 natively (AVX512-BF16 or AMX), where bf16 GEMMs run ~2x faster than fp32. A forced
+    lower variant (avx2) therefore also gets the fp32 activations an AVX2-only machine gets."""
+    return bool({"avx512_bf16", "amx_bf16"} & select_variant().requires)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -2,9 +2,10 @@
 
 The build lives in $FERRYLM_KERNEL_CACHE_DIR/<torch>-<python>/<library>-<variant>/ (default
 ~/.cache/ferrylm/kernels; apart from FERRYLM_CACHE_DIR's compiled steps, which tests point at empty
-directories without wanting a kernel rebuild each time), next to a manifest naming the CPU flags its code may use. A build is loaded only
-when this CPU has every one of them, so a cache directory shared between machines (a container
-image, NFS home) never hands an AVX2 machine an AVX-512 library. torch's extension loader rebuilds
+directories without wanting a kernel rebuild each time), next to a manifest naming the CPU flags its
+code may use. A build is loaded only when this CPU has every one of them, so a cache directory
+shared between machines (a container image, NFS home) never hands an AVX2 machine an AVX-512
+library. torch's extension loader rebuilds
 when the sources or flags change.
 """
 

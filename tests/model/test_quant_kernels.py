@@ -216,7 +216,7 @@ def test_default_model_tensors_repack_losslessly():
 def test_vnni_path_error_is_bounded_by_activation_rounding(kind):
     """quant_linear_vnni vs the twin: x is rounded to int8 per block of 32 (|error| <= amax_block / 254
     per element), so |y - twin| <= sum over k of |w_k| * amax(block of k) / 254, plus bf16 output
-    rounding (2^-8 of |y|). Checked per output element, for 1..4 rows and odd block counts (K = 96),
+    rounding (2^-8 of |y|). Checked per output element, for 1..8 rows and odd block counts (K = 96),
     and the fp32 result equals the dequantized weight times the rounded x (mins included)."""
     gen = torch.Generator().manual_seed(7)
     for k in ((192, 96) if kind != "q4_g64_fp32" else (192, 128)):
@@ -224,7 +224,7 @@ def test_vnni_path_error_is_bounded_by_activation_rounding(kind):
         if w.group % 64 and w.group != 32:
             continue
         dense = w.dequantize(torch.float32)
-        for m in (1, 2, 3, 4):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             got = KERNELS.quant_linear_vnni(x, w.codes, w.scales, w.mins, w.group, w.q4)
             assert got.dtype == torch.bfloat16 and got.shape == (m, 50)

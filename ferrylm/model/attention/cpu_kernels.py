@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,7 +60,7 @@ def load_cpu_kernels(variant: str | None = None) -> CpuKernels | None:
     return _load(select_variant(forced=variant).name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(name: str) -> CpuKernels | None:
     variant = BY_NAME[name]
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,7 +31,7 @@ class QuantKernels(NamedTuple):
 
     quant_linear: Callable[..., torch.Tensor]  # (x, codes, scales, mins, group, q4) -> [M, N]
     quant_linear_amx: Callable[..., torch.Tensor]  # same, bf16 x, M > a few rows
-    quant_linear_vnni: Callable[..., torch.Tensor]  # same, M <= 4, x quantized to int8 per 32 (vnni_gemv.cpp)
+    quant_linear_vnni: Callable[..., torch.Tensor]  # same, M <= 8, x quantized to int8 per 32 (vnni_gemv.cpp)
     dequantize: Callable[..., torch.Tensor]  # (codes, scales, mins, group, q4, dtype) -> [N, K]
     dequantize_into: Callable[..., None]  # (codes, scales, mins, group, q4, out)
     has_amx: bool
@@ -61,7 +61,7 @@ def load_quant_kernels(variant: str | None = None) -> QuantKernels | None:
     return _load(select_variant(forced=variant).name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(name: str) -> QuantKernels | None:
     variant = BY_NAME[name]
     try:

@@ -14,9 +14,10 @@ from ferrylm.model.quant.layout import dequantize_packed
 
 # Which path multiplies M activation rows (measured on SmolLM2 shapes with bench/quant_matmul.py, on
 # this project's 2-core AVX-512 / AMX CPU):
-#   M <= VNNI_M, bf16/fp16 activations, AVX512-VNNI: x quantized to int8 per 32 elements and VNNI dot
-#       products (vnni_gemv.cpp, llama.cpp's arithmetic); fp32 activations, the exact path below, so a
-#       float32 model stays exact against its dequantized twin. Only 1 row: at 2..4 rows the packed
+#   M <= VNNI_M, bf16/fp16 activations (or fp32 under --dtype auto: kernels.fp32_int8_gemv), a variant with
+#       int8 dot products (AVX2 maddubs, AVX512-VNNI, NEON): x quantized to int8 per 32 elements
+#       (vnni_gemv.cpp, llama.cpp's arithmetic); an explicit float32 model takes the exact path below,
+#       so it stays exact against its dequantized twin. Only 1 row: at 2..4 rows the packed
 #       kernel below beat it on both machines measured (bench/RESULTS.md, packed paths: 7.1 vs 7.8 ms
 #       at 2 rows, 9.3 vs 13.1 at 4), which is what a decode step verifying a 1..5-token draft runs;
 #   M <= SMALL_M otherwise, or M <= FP32_KERNEL_M with fp32 activations: the packed kernel (exact
@@ -77,7 +78,7 @@ class PackedWeight(nn.Module):
 
     def _vnni_ok(self, x: torch.Tensor) -> bool:
         return ((x.dtype != torch.float32 or self.kernels.fp32_int8_gemv) and self.kernels.has_vnni
-                and (self.group == 32 or self.group % 64 == 0))
+                and (self.group == 32 or self.group % 64 == 0 or (self.group == 16 and not self.q4)))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] → [M, out] in x's dtype."""

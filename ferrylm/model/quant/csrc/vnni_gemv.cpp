@@ -14,7 +14,9 @@
 // differ only in fp32 summation order.
 //
 // Supported: q4 and q8 codes with groups of 16 (q8: Q6_K), 32 or a multiple of 64 elements (Q4_0,
-// Q4_1, Q4_K, Q5_K, Q8_0, int4-g32..g256, int8 per channel when K is a multiple of 64).
+// Q4_1, Q4_K, Q5_K, Q8_0, int4-g32..g256, int8 per channel when K is a multiple of 64); 1..8 activation
+// rows (a decode step, or the verify step of a speculative draft), each weight code loaded and unpacked
+// once for all of them.
 // On ARM (the neon variant) the op runs neon_gemv.h, the same arithmetic with SDOT or SMULL + SADALP
 // (any q4 group that is a multiple of 32; q8 groups of 16 too).
 #include <ATen/Parallel.h>
@@ -27,6 +29,10 @@
 
 namespace ferry_quant {
 
+// Activation rows per call (decode, and the verify step of a speculative draft of up to 7 tokens): the
+// weight codes are read and unpacked once for all rows. More rows go to the exact kernels (packed.py).
+constexpr int64_t MAX_ROWS = 8;
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FERRY_VNNI 1      // vpdpbusd on 512-bit registers
 #elif defined(FERRY_YMM)
@@ -36,8 +42,6 @@ namespace ferry_quant {
 #define FERRY_INT8 1
 
 namespace {
-
-constexpr int64_t MAX_ROWS = 4;  // activation rows per call (the decode path); more go elsewhere
 
 // x quantized per 32-element block, arranged pair by pair (64 codes per pair of blocks) in the order the
 // weight codes of that pair are unpacked (one 512-bit register, or two 256-bit ones):
@@ -212,13 +216,29 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
     for (int m = 0; m < MB; ++m) out[m * 16 + j] = _mm512_reduce_add_ps(acc[j][m]);
 }
 
+// At most 16 accumulators (of 32 registers; groups of 64+ keep as many partial sums besides): 5..8
+// activation rows take output rows 2 at a time, so each weight pair is still loaded once for all rows.
+template <bool Q4, int NB, int MB>
+void tile_fit(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+  if constexpr (NB * MB > 16) {
+    tile_fit<Q4, NB / 2, MB>(w, a, n0, out);
+    tile_fit<Q4, NB / 2, MB>(w, a, n0 + NB / 2, out + NB / 2);
+  } else {
+    tile<Q4, NB, MB>(w, a, n0, out);
+  }
+}
+
 template <bool Q4, int NB>
 void tile_rows(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
   switch (a.M) {
-    case 1: tile<Q4, NB, 1>(w, a, n0, out); break;
-    case 2: tile<Q4, NB, 2>(w, a, n0, out); break;
-    case 3: tile<Q4, NB, 3>(w, a, n0, out); break;
-    default: tile<Q4, NB, 4>(w, a, n0, out); break;
+    case 1: tile_fit<Q4, NB, 1>(w, a, n0, out); break;
+    case 2: tile_fit<Q4, NB, 2>(w, a, n0, out); break;
+    case 3: tile_fit<Q4, NB, 3>(w, a, n0, out); break;
+    case 4: tile_fit<Q4, NB, 4>(w, a, n0, out); break;
+    case 5: tile_fit<Q4, NB, 5>(w, a, n0, out); break;
+    case 6: tile_fit<Q4, NB, 6>(w, a, n0, out); break;
+    case 7: tile_fit<Q4, NB, 7>(w, a, n0, out); break;
+    default: tile_fit<Q4, NB, 8>(w, a, n0, out); break;
   }
 }
 #else
@@ -331,7 +351,8 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
     for (int m = 0; m < MB; ++m) out[m * 16 + j] = hsum(acc[j][m]);
 }
 
-// At most 8 accumulators (AVX2 has 16 registers): 3 or 4 activation rows take output rows 2 at a time.
+// At most 8 accumulators (AVX2 has 16 registers): 3 or 4 activation rows take output rows 2 at a time,
+// 5..8 one at a time (each weight step is still loaded and unpacked once for all rows).
 template <bool Q4, bool G16, int NB, int MB>
 void tile_fit(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
   if constexpr (NB * MB > 8) {
@@ -348,7 +369,11 @@ void tile_m(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
     case 1: tile_fit<Q4, G16, NB, 1>(w, a, n0, out); break;
     case 2: tile_fit<Q4, G16, NB, 2>(w, a, n0, out); break;
     case 3: tile_fit<Q4, G16, NB, 3>(w, a, n0, out); break;
-    default: tile_fit<Q4, G16, NB, 4>(w, a, n0, out); break;
+    case 4: tile_fit<Q4, G16, NB, 4>(w, a, n0, out); break;
+    case 5: tile_fit<Q4, G16, NB, 5>(w, a, n0, out); break;
+    case 6: tile_fit<Q4, G16, NB, 6>(w, a, n0, out); break;
+    case 7: tile_fit<Q4, G16, NB, 7>(w, a, n0, out); break;
+    default: tile_fit<Q4, G16, NB, 8>(w, a, n0, out); break;
   }
 }
 
@@ -359,18 +384,24 @@ void tile_rows(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) 
 }
 #endif
 
-// sum over groups of min * gsum, 8 groups per FMA: a scalar chain of one FMA per group cost a Q4_1
-// GEMV ~25% (stage() zeroes the lanes past the row's groups; gsum has 16 floats of padding).
-inline float min_term(const Packed& w, int64_t n, const float* gsum) {
+// out[m * 16] += sum over groups of row n's min * gsum of activation row m, for every m: 8 groups per
+// FMA (a scalar chain of one FMA per group cost a Q4_1 GEMV ~25%), the mins staged once for all rows
+// (stage() zeroes the lanes past the row's groups, so reading the next row's gsum, or the 16 floats of
+// padding past the last, adds nothing).
+inline void add_min_terms(const Packed& w, int64_t n, const QuantizedActs& a, float* out) {
   alignas(64) float buf[16];
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[MAX_ROWS];
+  for (int64_t m = 0; m < a.M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < w.groups; g0 += 16) {
     const int64_t c = std::min<int64_t>(16, w.groups - g0);
     stage(w.mins, w.f16, n, w.groups, g0, c, buf);
-    for (int64_t i = 0; i < c; i += 8)
-      acc = _mm256_fmadd_ps(_mm256_load_ps(buf + i), _mm256_loadu_ps(gsum + g0 + i), acc);
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* gsum = a.gsum.data() + m * a.groups + g0;
+      for (int64_t i = 0; i < c; i += 8)
+        acc[m] = _mm256_fmadd_ps(_mm256_load_ps(buf + i), _mm256_loadu_ps(gsum + i), acc[m]);
+    }
   }
-  return hsum(acc);
+  for (int64_t m = 0; m < a.M; ++m) out[m * 16] += hsum(acc[m]);
 }
 
 }  // namespace
@@ -392,11 +423,11 @@ using namespace ferry_quant;
 
 #if !defined(FERRY_INT8) && defined(__ARM_NEON) && !defined(FERRY_PORTABLE)
 // quant_linear_vnni on ARM: x widened to fp32 and quantized once, output rows split across threads
-// (16 at a time), y converted to x's dtype.
+// (16 at a time), y converted to x's dtype. The NEON kernel takes GEMV_MAX_ROWS activation rows at a
+// time: more are run in chunks of that many.
 static torch::Tensor linear_neon(const torch::Tensor& x, const Packed& w, int64_t group_size, bool q4) {
   const int64_t M = x.size(0), K = x.size(1), N = w.rows;
-  TORCH_CHECK(M <= ferry_neon::GEMV_MAX_ROWS, "quant_linear_vnni: at most ", ferry_neon::GEMV_MAX_ROWS,
-              " activation rows, got ", M);
+  TORCH_CHECK(M <= MAX_ROWS, "quant_linear_vnni: at most ", MAX_ROWS, " activation rows, got ", M);
   TORCH_CHECK(ferry_neon::gemv_supports(q4, K, group_size), "quant_linear_vnni: group ", group_size, " unsupported");
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
@@ -406,11 +437,15 @@ static torch::Tensor linear_neon(const torch::Tensor& x, const Packed& w, int64_
     const scalar_t* src = xc.data_ptr<scalar_t>();
     for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(src[i]);
   });
-  const ferry_neon::Int8Acts a = ferry_neon::quantize_acts(xf.data(), M, K, group_size);
   const ferry_neon::PackedWeights nw{w.codes, w.row_bytes, w.scales, w.mins, w.groups, group_size, w.f16, q4};
-  at::parallel_for(0, (N + 15) / 16, 4, [&](int64_t t0, int64_t t1) {
-    ferry_neon::gemv_rows(nw, a, 16 * t0, std::min(N, 16 * t1), yf.data(), N);
-  });
+  for (int64_t m0 = 0; m0 < M; m0 += ferry_neon::GEMV_MAX_ROWS) {
+    const int64_t rows = std::min<int64_t>(ferry_neon::GEMV_MAX_ROWS, M - m0);
+    const ferry_neon::Int8Acts a = ferry_neon::quantize_acts(xf.data() + m0 * K, rows, K, group_size);
+    float* y = yf.data() + m0 * N;
+    at::parallel_for(0, (N + 15) / 16, 4, [&](int64_t t0, int64_t t1) {
+      ferry_neon::gemv_rows(nw, a, 16 * t0, std::min(N, 16 * t1), y, N);
+    });
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear_neon_y", [&] {
     scalar_t* dst = out.data_ptr<scalar_t>();
     for (int64_t i = 0; i < M * N; ++i) dst[i] = static_cast<scalar_t>(yf[i]);
@@ -419,8 +454,8 @@ static torch::Tensor linear_neon(const torch::Tensor& x, const Packed& w, int64_
 }
 #endif
 
-// y[M, N] = x[M, K] @ W^T with x quantized to int8 per 32-element block; M <= 4, W packed with groups
-// of 16 (q8), 32 or a multiple of 64. y has x's dtype.
+// y[M, N] = x[M, K] @ W^T with x quantized to int8 per 32-element block; M <= MAX_ROWS (8), W packed
+// with groups of 16 (q8), 32 or a multiple of 64. y has x's dtype.
 torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                 const c10::optional<torch::Tensor>& mins, int64_t group_size, bool q4) {
   TORCH_CHECK(x.dim() == 2, "x: [M, K]");
@@ -457,12 +492,10 @@ torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& cod
           if (q4) tile_rows<true, 1>(w, a, n, buf + (n - lo) % 16);
           else tile_rows<false, 1>(w, a, n, buf + (n - lo) % 16);
         }
+        if (w.mins)
+          for (int64_t r = lo; r < hi; ++r) add_min_terms(w, r, a, buf + (r - lo));
         for (int64_t m = 0; m < M; ++m)
-          for (int64_t r = lo; r < hi; ++r) {
-            float v = buf[m * 16 + (r - lo)];
-            if (w.mins) v += min_term(w, r, a.gsum.data() + m * a.groups);
-            op[m * N + r] = static_cast<scalar_t>(v);
-          }
+          for (int64_t r = lo; r < hi; ++r) op[m * N + r] = static_cast<scalar_t>(buf[m * 16 + (r - lo)]);
       }
     });
   });
