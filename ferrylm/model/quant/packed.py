@@ -17,16 +17,19 @@ from ferrylm.model.quant.layout import dequantize_packed
 #   M <= VNNI_M, bf16/fp16 activations (or fp32 under --dtype auto: kernels.fp32_int8_gemv), a variant with
 #       int8 dot products (AVX2 maddubs, AVX512-VNNI, NEON): x quantized to int8 per 32 elements
 #       (vnni_gemv.cpp, llama.cpp's arithmetic); an explicit float32 model takes the exact path below,
-#       so it stays exact against its dequantized twin. Only 1 row: at 2..4 rows the packed
-#       kernel below beat it on both machines measured (bench/RESULTS.md, packed paths: 7.1 vs 7.8 ms
-#       at 2 rows, 9.3 vs 13.1 at 4), which is what a decode step verifying a 1..5-token draft runs;
+#       so it stays exact against its dequantized twin. Up to 8 rows (its limit: a decode step verifying
+#       a draft of up to 7 tokens), W unpacked once for all of them; it beat the packed kernel at every
+#       M = 1..8 on the 2-core AMD EPYC (Zen 4), AVX2 and AVX512-VNNI builds alike (bench/packed_paths.py,
+#       bf16, ms per 30 layers + LM head, int8 vs packed kernel, avx2 | avx512_bf16: M=1 4.0 vs 6.6 |
+#       4.1 vs 6.6, M=2 5.2 vs 9.8 | 5.1 vs 7.3, M=5 9.7 vs 14.6 | 8.5 vs 12.1, M=8 13.8 vs 22.0 |
+#       12.3 vs 18.1; per call, bench/quant_variants.py --rows, 1.3-2.2x on every SmolLM2 shape);
 #   M <= SMALL_M otherwise, or M <= FP32_KERNEL_M with fp32 activations: the packed kernel (exact
 #       fp32 weights, FMAs; it reads W once per 8 rows: with fp32 activations it beats unpacking
 #       fp32 panels for GEMM up to 32 rows, with bf16 ones AMX up to 6 rows, bench/packed_paths.py);
 #   M <= AMX_M, bf16 activations, AMX present: 32 rows of W at a time unpacked to bf16 in cache and
 #       multiplied on AMX tiles (faster than torch's bf16 GEMM there, and no bf16 weight in memory);
 #   otherwise: panels of W unpacked to the activation dtype into a reused buffer, torch's GEMM.
-VNNI_M = 1
+VNNI_M = 8
 SMALL_M = 6
 FP32_KERNEL_M = 32
 AMX_M = 64
@@ -85,9 +88,9 @@ class PackedWeight(nn.Module):
         if not self._kernel_ok(x):
             return F.linear(x, self.dequantize(x.dtype))
         m = x.shape[0]
+        if m <= VNNI_M and self._vnni_ok(x):
+            return self.kernels.quant_linear_vnni(x, self.codes, self.scales, self.mins, self.group, self.q4)
         if m <= SMALL_M or (m <= FP32_KERNEL_M and x.dtype == torch.float32):
-            if m <= VNNI_M and self._vnni_ok(x):
-                return self.kernels.quant_linear_vnni(x, self.codes, self.scales, self.mins, self.group, self.q4)
             return self.kernels.quant_linear(x, self.codes, self.scales, self.mins, self.group, self.q4)
         if m <= AMX_M and x.dtype == torch.bfloat16 and self.kernels.has_amx:
             return self.kernels.quant_linear_amx(x, self.codes, self.scales, self.mins, self.group, self.q4)

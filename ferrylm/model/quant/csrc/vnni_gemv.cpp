@@ -47,11 +47,13 @@ namespace {
 // weight codes of that pair are unpacked (one 512-bit register, or two 256-bit ones):
 //   q4: [b0 e0-15 | b1 e0-15 | b0 e16-31 | b1 e16-31]  (low nibbles of the pair's 32 bytes, then high)
 //   q8: [b0 e0-31 | b1 e0-31]                          (codes in natural order)
-// dx: the blocks' scales; gsum: sums of the rounded x per weight group (for the min term).
+// dx: the blocks' scales (AVX512-VNNI: per pair spread over the 16 lanes in which its dot products
+// come out, a memory operand of one multiply); gsum: sums of the rounded x per weight group (for the
+// min term).
 struct QuantizedActs {
   int64_t M, K, blocks, pairs, groups;
   std::vector<int8_t> xq;  // [M, pairs * 64]
-  std::vector<float> dx;   // [M, pairs * 2] (a missing last block: 0)
+  std::vector<float> dx;   // [M, pairs * 2] (a missing last block: 0); VNNI: [M, pairs * 16]
   std::vector<float> gsum; // [M, groups]
 };
 
@@ -102,8 +104,12 @@ QuantizedActs quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, boo
   QuantizedActs a;
   a.M = M, a.K = K, a.blocks = K / 32, a.pairs = (K / 32 + 1) / 2, a.groups = K / G;
   a.xq.assign(M * a.pairs * 64, 0);
+#ifdef FERRY_VNNI
+  a.dx.assign(M * a.pairs * 16, 0.f);
+#else
   a.dx.assign(M * a.pairs * 2 + 8, 0.f);  // + 8: the AVX2 tiles read 8 at a time
-  a.gsum.assign(M * a.groups + 16, 0.f);  // + 16: min_term reads 8 at a time
+#endif
+  a.gsum.assign(M * a.groups, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t p = b / 2, half = b % 2;
@@ -112,7 +118,13 @@ QuantizedActs quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, boo
       const float amax = q4 ? quantize_block(x + m * K + 32 * b, dst + 16 * half, dst + 32 + 16 * half, s)
                             : quantize_block(x + m * K + 32 * b, dst + 32 * half, dst + 32 * half + 16, s);
       const float d = amax / 127.f;
+#ifdef FERRY_VNNI  // lanes of block `half`: q4 [b0 x4, b1 x4, b0 x4, b1 x4], q8 [b0 x8, b1 x8] (lane_blocks)
+      float* dl = a.dx.data() + (m * a.pairs + p) * 16;
+      for (int l = 0; l < 16; ++l)
+        if ((q4 ? (l / 4) % 2 : l / 8) == half) dl[l] = d;
+#else
       a.dx[(m * a.pairs + p) * 2 + half] = d;
+#endif
       float* gs = a.gsum.data() + m * a.groups;
       if (G == 16) {
         gs[2 * b] += d * static_cast<float>(s[0]);
@@ -155,33 +167,44 @@ inline __m512i lane_blocks(bool q4) {
 
 // Output rows n0..n0+NB-1 for activation rows 0..MB-1: sum of q.x per lane, scaled. MB and NB are
 // template arguments so the accumulators stay in registers (with a runtime row count they went to the
-// stack, and every FMA waited on a store-to-load round trip: 4x slower).
-template <bool Q4, int NB, int MB>
+// stack, and every FMA waited on a store-to-load round trip: 4x slower); PER_LANE (G <= 32) too, so
+// the loop has no branch on it.
+template <bool Q4, bool PER_LANE, int NB, int MB>
 void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB, 16] */) {
-  const __m512i lanes = lane_blocks(Q4);
-  // Groups of 32 (or 16, q8 only: lane l of pair p is in group 4 p + l / 4) take each lane's weight scale
-  // from 16 staged groups; larger groups sum a group's lanes first and scale once.
-  const bool per_lane = w.G <= 32;
-  const int64_t gpp = w.G == 16 ? 4 : 2, pairs_per_stage = 16 / gpp;  // groups per pair, when per_lane
+  // Each lane's weight scale, one vector per output row and pair, shared by the activation rows: groups of
+  // 32 (or 16, q8 only: lane l of pair p is in group 4 p + l / 4; PER_LANE) pick theirs from 16 staged
+  // groups; a larger group (64 k elements: k whole pairs) has one for all lanes. (Summing a large group's
+  // lanes first and scaling once took as many registers again for the partial sums.)
+  const int64_t gpp = w.G == 16 ? 4 : 2, pairs_per_stage = 16 / gpp;  // PER_LANE: groups per pair, per stage
+  const int64_t pairs_per_group = w.G / 64;                             // otherwise
   const __m512i glanes = w.G == 16 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                                                         13, 14, 15), 2) : lanes;
+                                                                         13, 14, 15), 2) : lane_blocks(Q4);
   __m512 acc[NB][MB];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
   const uint8_t* rows[NB];
   for (int j = 0; j < NB; ++j) rows[j] = w.codes + (n0 + j) * w.row_bytes;
-  const int64_t pairs_per_group = per_lane ? 0 : w.G / 64;
   alignas(64) float sc[NB][16];
-  __m512 gacc[NB][MB];
+  __m512 ws[NB];
+  int64_t group = 0, left = 0;  // G >= 64: the current group, pairs left in it
   for (int64_t p = 0; p < a.pairs; ++p) {
     const bool tail = 2 * p + 1 >= a.blocks;
-    if (per_lane && p % pairs_per_stage == 0) {
-      const int64_t gn = std::min<int64_t>(16, w.groups - gpp * p);
-      for (int j = 0; j < NB; ++j) stage(w.scales, w.f16, n0 + j, w.groups, gpp * p, gn, sc[j]);
+    if constexpr (PER_LANE) {
+      const int64_t q = p & (pairs_per_stage - 1);  // 8 or 4 pairs per stage
+      if (q == 0) {
+        const int64_t gn = std::min<int64_t>(16, w.groups - gpp * p);
+        for (int j = 0; j < NB; ++j) stage(w.scales, w.f16, n0 + j, w.groups, gpp * p, gn, sc[j]);
+      }
+      const __m512i idx = _mm512_add_epi32(glanes, _mm512_set1_epi32(static_cast<int>(gpp * q)));
+      for (int j = 0; j < NB; ++j) ws[j] = _mm512_permutexvar_ps(idx, _mm512_load_ps(sc[j]));
+    } else if (left-- == 0) {
+      for (int j = 0; j < NB; ++j) {
+        const int64_t off = (n0 + j) * w.groups + group;
+        ws[j] = _mm512_set1_ps(w.f16 ? to_f(static_cast<const at::Half*>(w.scales)[off])
+                                     : static_cast<const float*>(w.scales)[off]);
+      }
+      ++group, left = pairs_per_group - 1;
     }
-    if (pairs_per_group && p % pairs_per_group == 0)
-      for (int j = 0; j < NB; ++j)
-        for (int m = 0; m < MB; ++m) gacc[j][m] = _mm512_setzero_ps();
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       if (p % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + (Q4 ? 32 : 64) * p) + 2048, _MM_HINT_T0);
@@ -189,57 +212,61 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
     }
     for (int m = 0; m < MB; ++m) {
       const __m512i xq = _mm512_loadu_si512(a.xq.data() + (m * a.pairs + p) * 64);
-      const float* dxp = a.dx.data() + (m * a.pairs + p) * 2;
-      const __m512 dx = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_setr_ps(dxp[0], dxp[1], 0, 0)));
+      const __m512 dx = _mm512_loadu_ps(a.dx.data() + (m * a.pairs + p) * 16);
       for (int j = 0; j < NB; ++j) {
         const __m512i dp = Q4 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xq)
                               : dot_q8(_mm512_setzero_si512(), wv[j], xq);
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dp), dx);
-        if (per_lane) {  // lanes pick their groups' scales from the staged 16
-          const __m512i idx = _mm512_add_epi32(glanes, _mm512_set1_epi32(int(gpp * (p % pairs_per_stage))));
-          acc[j][m] = _mm512_fmadd_ps(f, _mm512_permutexvar_ps(idx, _mm512_load_ps(sc[j])), acc[j][m]);
-        } else {
-          gacc[j][m] = _mm512_add_ps(gacc[j][m], f);
-        }
-      }
-    }
-    if (pairs_per_group && (p + 1) % pairs_per_group == 0) {
-      const int64_t g = p / pairs_per_group;
-      for (int j = 0; j < NB; ++j) {
-        alignas(64) float s[16];  // stage() stores 16 lanes
-        stage(w.scales, w.f16, n0 + j, w.groups, g, 1, s);
-        for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_fmadd_ps(gacc[j][m], _mm512_set1_ps(s[0]), acc[j][m]);
+        acc[j][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dp), dx), ws[j], acc[j][m]);
       }
     }
   }
+  if (w.mins)  // the min term, 16 groups per FMA into the same lanes (masked: nothing read past a row)
+    for (int64_t g0 = 0; g0 < w.groups; g0 += 16) {
+      const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, w.groups - g0)) - 1);
+      for (int j = 0; j < NB; ++j) {
+        const int64_t off = (n0 + j) * w.groups + g0;
+        const __m512 mv = w.f16
+            ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const at::Half*>(w.mins) + off))
+            : _mm512_maskz_loadu_ps(k, static_cast<const float*>(w.mins) + off);
+        for (int m = 0; m < MB; ++m)
+          acc[j][m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.gsum.data() + m * a.groups + g0), acc[j][m]);
+      }
+    }
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m) out[m * 16 + j] = _mm512_reduce_add_ps(acc[j][m]);
 }
 
-// At most 16 accumulators (of 32 registers; groups of 64+ keep as many partial sums besides): 5..8
-// activation rows take output rows 2 at a time, so each weight pair is still loaded once for all rows.
-template <bool Q4, int NB, int MB>
+// At most 8 accumulators, as on AVX2: 3 or 4 activation rows take output rows 2 at a time, 5..8 one at a
+// time (each weight pair is still loaded and unpacked once for all rows). With 16 (of 32 registers) GCC
+// kept some on the stack, and 8 rows ran 1.3x slower.
+template <bool Q4, bool PER_LANE, int NB, int MB>
 void tile_fit(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
-  if constexpr (NB * MB > 16) {
-    tile_fit<Q4, NB / 2, MB>(w, a, n0, out);
-    tile_fit<Q4, NB / 2, MB>(w, a, n0 + NB / 2, out + NB / 2);
+  if constexpr (NB * MB > 8) {
+    tile_fit<Q4, PER_LANE, NB / 2, MB>(w, a, n0, out);
+    tile_fit<Q4, PER_LANE, NB / 2, MB>(w, a, n0 + NB / 2, out + NB / 2);
   } else {
-    tile<Q4, NB, MB>(w, a, n0, out);
+    tile<Q4, PER_LANE, NB, MB>(w, a, n0, out);
+  }
+}
+
+template <bool Q4, bool PER_LANE, int NB>
+void tile_m(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+  switch (a.M) {
+    case 1: tile_fit<Q4, PER_LANE, NB, 1>(w, a, n0, out); break;
+    case 2: tile_fit<Q4, PER_LANE, NB, 2>(w, a, n0, out); break;
+    case 3: tile_fit<Q4, PER_LANE, NB, 3>(w, a, n0, out); break;
+    case 4: tile_fit<Q4, PER_LANE, NB, 4>(w, a, n0, out); break;
+    case 5: tile_fit<Q4, PER_LANE, NB, 5>(w, a, n0, out); break;
+    case 6: tile_fit<Q4, PER_LANE, NB, 6>(w, a, n0, out); break;
+    case 7: tile_fit<Q4, PER_LANE, NB, 7>(w, a, n0, out); break;
+    default: tile_fit<Q4, PER_LANE, NB, 8>(w, a, n0, out); break;
   }
 }
 
 template <bool Q4, int NB>
 void tile_rows(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
-  switch (a.M) {
-    case 1: tile_fit<Q4, NB, 1>(w, a, n0, out); break;
-    case 2: tile_fit<Q4, NB, 2>(w, a, n0, out); break;
-    case 3: tile_fit<Q4, NB, 3>(w, a, n0, out); break;
-    case 4: tile_fit<Q4, NB, 4>(w, a, n0, out); break;
-    case 5: tile_fit<Q4, NB, 5>(w, a, n0, out); break;
-    case 6: tile_fit<Q4, NB, 6>(w, a, n0, out); break;
-    case 7: tile_fit<Q4, NB, 7>(w, a, n0, out); break;
-    default: tile_fit<Q4, NB, 8>(w, a, n0, out); break;
-  }
+  if (w.G <= 32) tile_m<Q4, true, NB>(w, a, n0, out);
+  else tile_m<Q4, false, NB>(w, a, n0, out);
 }
 #else
 // The weight scale of each unit u in [u0, u1) of row n into ws[u - u0] (room for u1 - u0 + 16: stage()
@@ -347,6 +374,16 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
       }
     }
   }
+  if (w.mins)  // the min term, 8 groups per FMA into the same lanes (load8: nothing read past a row)
+    for (int64_t g0 = 0; g0 < w.groups; g0 += 8) {
+      const int64_t c = std::min<int64_t>(8, w.groups - g0);
+      for (int j = 0; j < NB; ++j) {
+        const __m256 mv = load8(static_cast<const char*>(w.mins) + ((n0 + j) * w.groups + g0) * (w.f16 ? 2 : 4),
+                                w.f16, c);
+        for (int m = 0; m < MB; ++m)
+          acc[j][m] = _mm256_fmadd_ps(mv, load8(a.gsum.data() + m * a.groups + g0, false, c), acc[j][m]);
+      }
+    }
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m) out[m * 16 + j] = hsum(acc[j][m]);
 }
@@ -383,26 +420,6 @@ void tile_rows(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) 
   else tile_m<Q4, false, NB>(w, a, n0, out);
 }
 #endif
-
-// out[m * 16] += sum over groups of row n's min * gsum of activation row m, for every m: 8 groups per
-// FMA (a scalar chain of one FMA per group cost a Q4_1 GEMV ~25%), the mins staged once for all rows
-// (stage() zeroes the lanes past the row's groups, so reading the next row's gsum, or the 16 floats of
-// padding past the last, adds nothing).
-inline void add_min_terms(const Packed& w, int64_t n, const QuantizedActs& a, float* out) {
-  alignas(64) float buf[16];
-  __m256 acc[MAX_ROWS];
-  for (int64_t m = 0; m < a.M; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < w.groups; g0 += 16) {
-    const int64_t c = std::min<int64_t>(16, w.groups - g0);
-    stage(w.mins, w.f16, n, w.groups, g0, c, buf);
-    for (int64_t m = 0; m < a.M; ++m) {
-      const float* gsum = a.gsum.data() + m * a.groups + g0;
-      for (int64_t i = 0; i < c; i += 8)
-        acc[m] = _mm256_fmadd_ps(_mm256_load_ps(buf + i), _mm256_loadu_ps(gsum + i), acc[m]);
-    }
-  }
-  for (int64_t m = 0; m < a.M; ++m) out[m * 16] += hsum(acc[m]);
-}
 
 }  // namespace
 #endif
@@ -492,8 +509,6 @@ torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& cod
           if (q4) tile_rows<true, 1>(w, a, n, buf + (n - lo) % 16);
           else tile_rows<false, 1>(w, a, n, buf + (n - lo) % 16);
         }
-        if (w.mins)
-          for (int64_t r = lo; r < hi; ++r) add_min_terms(w, r, a, buf + (r - lo));
         for (int64_t m = 0; m < M; ++m)
           for (int64_t r = lo; r < hi; ++r) op[m * N + r] = static_cast<scalar_t>(buf[m * 16 + (r - lo)]);
       }
