@@ -3,7 +3,7 @@
 // compute in fp32, round to the activation dtype where the reference rounds. Vectorised for fp32
 // and bf16 with AVX2 + FMA (every x86 variant above portable) and for bf16 with AVX512BF16; the
 // portable build and other dtypes run the generic loops.
-#include "torch_lite.h"
+#include "../../csrc/torch_lite.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 

@@ -11,7 +11,7 @@
 // scale, a row widened through a 256-entry table. int8: one fp16 scale per (token, KV head) row.
 // write_kv_quant_ quantizes this step's rows exactly as kv_quant.quantize does.
 #include "neon_decode.h"
-#include "torch_lite.h"
+#include "../../csrc/torch_lite.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <array>

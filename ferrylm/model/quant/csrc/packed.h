@@ -1,6 +1,6 @@
 // Shared by the quantized-matmul sources: the packed weight layout and how to read it.
 #pragma once
-#include "torch_lite.h"
+#include "../../csrc/torch_lite.h"
 #include <cstring>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
