@@ -118,6 +118,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None,
                    help="disaggregated prefill/decode: serve POST /v1/kv/export (prefill), /v1/kv/import (decode) "
                         "or both; KV blocks move by block hash into the decode replica's prefix cache")
+    p.add_argument("--kv-transfer-key", default=os.environ.get("FERRYLM_KV_TRANSFER_KEY"),
+                   help="with --kv-role: the replica-to-replica secret the KV routes require (the gateway's "
+                        "--kv-transfer-key); API and tenant keys get 403 there (env FERRYLM_KV_TRANSFER_KEY)")
     p.add_argument("--max-kv-transfer-bytes", type=int, default=1 << 30,
                    help="a POST /v1/kv/import body larger than this gets 413 (a 4k-token SmolLM2 prompt is ~94 MB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -190,6 +193,9 @@ def _add_gateway_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--jwt-audience", default=None)
     g.add_argument("--jwt-tenant-claim", default="tenant")
     g.add_argument("--audit-prompts", action="store_true", help="store prompt text in the audit log")
+    g.add_argument("--shared-prefix-cache", action="store_true",
+                   help="let tenants share cached prompt prefixes (default: each tenant's prompts are salted apart, "
+                        "so no tenant gets a cache hit, or its timing, from another's prompt)")
     g.add_argument("--no-admission-control", action="store_true",
                    help="never shed on engine load (auth, rate limits and quotas still apply)")
     g.add_argument("--metrics-require-auth", action="store_true",
@@ -214,6 +220,7 @@ def gateway_config_from_args(args: argparse.Namespace):
 
     return GatewayConfig(require_auth=args.require_auth, state_db=args.state_db, jwt=jwt, redis_url=args.redis_url,
                          rate_limit_failure_mode=args.rate_limit_failure_mode, audit_prompts=args.audit_prompts,
+                         shared_prefix_cache=args.shared_prefix_cache,
                          admission=AdmissionConfig(enabled=not getattr(args, "no_admission_control", False)))
 
 
@@ -253,6 +260,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
         gateway=gateway_config_from_args(args), metrics_require_auth=args.metrics_require_auth,
         connections=connection_limits_from_args(args), kv_role=args.kv_role,
+        kv_transfer_key=args.kv_transfer_key,
         max_kv_transfer_bytes=args.max_kv_transfer_bytes, tracing=tracing, tenant_metrics=tenant_metrics,
         tensor_parallel_size=engine_config.tensor_parallel_size)
     return run_server(config, lambda: Engine.from_config(engine_config))
@@ -272,6 +280,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    choices=["round-robin", "least-outstanding-tokens", "prefix-affinity", "latency", "disaggregated"])
     p.add_argument("--upstream-api-key", default=os.environ.get("FERRYLM_UPSTREAM_API_KEY"),
                    help="Bearer key the replicas require (their --api-key)")
+    p.add_argument("--kv-transfer-key", default=os.environ.get("FERRYLM_KV_TRANSFER_KEY"),
+                   help="with --policy disaggregated: the replicas' --kv-transfer-key, sent only to their KV routes")
     p.add_argument("--max-attempts", type=int, default=None, help="tries per request before the first token")
     p.add_argument("--poll-interval", type=float, default=None, help="seconds between /ready polls")
     p.add_argument("--expose-upstream-header", action="store_true", default=None,
@@ -294,6 +304,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         router = load_router_config(args.router_config, args.upstream, default_model=args.model, policy=args.policy,
                                     prefill_flags=args.prefill_upstream,
                                     upstream_api_key=args.upstream_api_key, max_attempts=args.max_attempts,
+                                    kv_transfer_key=args.kv_transfer_key,
                                     poll_interval_s=args.poll_interval, expose_upstream=args.expose_upstream_header)
         connections = connection_limits_from_args(args)
         tracing, tenant_metrics = observability_from_args(args, "ferrylm-gateway")

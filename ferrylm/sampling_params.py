@@ -17,6 +17,7 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+MAX_CACHE_SALT_CHARS = 1024
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -92,6 +93,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the output is constrained to a grammar
+    # vLLM's cache_salt: part of the prompt's prefix-cache block hashes, so only requests under the same
+    # salt share cached blocks (the front doors set it per tenant); it changes no output
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +139,10 @@ class SamplingParams:
         for ok, message, param in checks:
             if not ok:
                 raise SamplingParamsError(message, param)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise SamplingParamsError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                      "characters", "cache_salt")
         if self.structured_outputs is not None:
             # the grammar allows only EOS once complete: min_tokens or ignore_eos would leave no token
             for name, neutral in (("min_tokens", 0), ("ignore_eos", False)):

@@ -193,16 +193,17 @@ class AsyncEngine:
             raise
         return RequestStream(self, key, request_id, queue)
 
-    async def export_prefix_kv(self, token_ids: list[int]) -> bytes:
+    async def export_prefix_kv(self, token_ids: list[int], cache_salt: str | None = None) -> bytes:
         """kv_transfer wire bytes of the cached full blocks of `token_ids` (taken between steps)."""
-        kv = await asyncio.to_thread(self._between_steps, lambda: self.engine.export_prefix_kv(token_ids))
+        kv = await asyncio.to_thread(self._between_steps,
+                                     lambda: self.engine.export_prefix_kv(token_ids, cache_salt))
         return await asyncio.to_thread(kv.to_bytes)
 
     async def import_prefix_kv(self, body: bytes) -> int:
         """Cache the blocks of a kv_transfer body here (between steps); the number written. Raises
         ValueError for a bad body or hashes, kv_transfer.KVLayoutMismatch for another layout."""
         kv = await asyncio.to_thread(KVBlocks.from_bytes, body)
-        return await asyncio.to_thread(self._between_steps, lambda: self.engine.import_prefix_kv(kv.token_ids, kv))
+        return await asyncio.to_thread(self._between_steps, lambda: self.engine.import_prefix_kv(kv))
 
     def _between_steps(self, work: Callable[[], Any]) -> Any:
         """Run `work` on the caller's thread while the loop is between steps (it holds the lock in one)."""

@@ -7,25 +7,39 @@ they are reused: the free queue is in LRU order and eviction happens lazily on a
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block hash, token ids of this block)
-# The "parent" of a prompt's first block. An int, not None: hash(None) is its address in Python before
-# 3.12, so chains starting from None differed between processes (a KV transfer compares hashes).
+# The "parent" of an unsalted prompt's first block (a salted prompt's is root_hash(salt)).
 ROOT_HASH = 0
 
 
+def root_hash(cache_salt: str | None) -> int:
+    """The parent of a prompt's first block: ROOT_HASH without a salt, else one derived from the salt
+    (vLLM's cache_salt), so prompts under different salts never share a block. sha256, not hash():
+    str hashes differ between processes, and a KV transfer compares hashes across processes."""
+    if not cache_salt:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.sha256(b"salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()[:16],
+                          "little")
+
+
 def hash_block_tokens(parent_hash: int, tokens: tuple[int, ...]) -> int:
-    """Chained block hash; deterministic across processes (ints and tuples of ints are not salted)."""
-    return hash((parent_hash, tokens))
+    """Chained block hash (128 bits of sha256, as vLLM moved to): Python's tuple hash is 64 bits
+    and not collision-resistant, so a tenant could craft a prompt whose chain collides with another's."""
+    digest = hashlib.sha256(parent_hash.to_bytes(16, "little") + array("q", tokens).tobytes()).digest()
+    return int.from_bytes(digest[:16], "little")
 
 
-def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None) -> list[int]:
+def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None,
+                 cache_salt: str | None = None) -> list[int]:
     """Hashes of the leading full blocks of `token_ids` (the router uses the same function)."""
     full = len(token_ids) // block_size if num_blocks is None else num_blocks
     hashes: list[int] = []
-    parent = ROOT_HASH
+    parent = root_hash(cache_salt)
     for i in range(full):
         parent = hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         hashes.append(parent)
@@ -40,7 +54,7 @@ class Block:
 
     @property
     def block_hash(self) -> int | None:
-        return None if self.key is None else hash(self.key)
+        return None if self.key is None else hash_block_tokens(*self.key)
 
 
 class BlockPool:
@@ -123,41 +137,44 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Blocks holding the longest cached prefix, leaving at least one token to compute."""
+    def find_cached_prefix(self, token_ids: list[int], root: int = ROOT_HASH) -> list[int]:
+        """Blocks holding the longest cached prefix, leaving at least one token to compute. `root`
+        is the request's root_hash(cache_salt): only prompts under the same salt share blocks."""
         if not self.enable_prefix_caching:
             return []
-        return self._cached_chain(token_ids, (len(token_ids) - 1) // self.block_size)
+        return self._cached_chain(token_ids, (len(token_ids) - 1) // self.block_size, root)
 
-    def cached_blocks(self, token_ids: list[int]) -> list[int]:
+    def cached_blocks(self, token_ids: list[int], root: int = ROOT_HASH) -> list[int]:
         """Blocks holding the leading full blocks of `token_ids` that are cached (the prefix a KV
         transfer can send), up to the first that is not."""
-        return self._cached_chain(token_ids, len(token_ids) // self.block_size)
+        return self._cached_chain(token_ids, len(token_ids) // self.block_size, root)
 
-    def _cached_chain(self, token_ids: list[int], max_blocks: int) -> list[int]:
+    def _cached_chain(self, token_ids: list[int], max_blocks: int, root: int) -> list[int]:
         found: list[int] = []
-        parent = ROOT_HASH
+        parent = root
         for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             found.append(block_id)
-            parent = hash(key)
+            parent = hash_block_tokens(*key)
         return found
 
     # -- mutations -----------------------------------------------------------------------
-    def import_cached_blocks(self, token_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
-        """Make the first `num_blocks` full blocks of `token_ids` cached here, for K/V computed
-        elsewhere (disaggregated prefill): (block index, block id) of each block the caller must now
-        fill, in order; blocks already cached are skipped. Stops where the free pool runs out (a
-        chain is only findable from its start). The new blocks end unreferenced and evictable, like
-        any finished request's; none is evicted by this same import."""
+    def stage_import(self, token_ids: list[int], num_blocks: int,
+                     root: int = ROOT_HASH) -> tuple[list[tuple[int, int, BlockKey]], list[int]]:
+        """First half of caching K/V computed elsewhere (disaggregated prefill) for the first
+        `num_blocks` full blocks of `token_ids`: ((block index, fresh block id, key) of each block the
+        caller must now fill, every block held). Nothing is registered yet: the fresh blocks are held
+        but unfindable until `commit_import`, so a failed write never leaves a hash pointing at garbage
+        (`abort_import` gives them back). Blocks already cached are skipped; stops where the free pool
+        runs out (a chain is only findable from its start)."""
         if not self.enable_prefix_caching:
-            return []
+            return [], []
         held: list[int] = []
-        fill: list[tuple[int, int]] = []
-        parent = ROOT_HASH
+        fill: list[tuple[int, int, BlockKey]] = []
+        parent = root
         for i in range(min(num_blocks, len(token_ids) // self.block_size)):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block_id = self.pool.lookup(key)
@@ -165,17 +182,27 @@ class BlockManager:
                 self.pool.touch([block_id])
             elif self.pool.num_free:
                 block_id = self.pool.allocate(1)[0]
-                self.pool.register(block_id, key)
-                fill.append((i, block_id))
+                fill.append((i, block_id, key))
             else:
                 break
             held.append(block_id)
-            parent = hash(key)
+            parent = hash_block_tokens(*key)
+        return fill, held
+
+    def commit_import(self, fill: list[tuple[int, int, BlockKey]], held: list[int]) -> None:
+        """The staged blocks' K/V is written: register them and let them go, unreferenced and
+        evictable like any finished request's."""
+        for _, block_id, key in fill:
+            if self.pool.lookup(key) is None:
+                self.pool.register(block_id, key)
         self.pool.release(held)
-        return fill
+
+    def abort_import(self, held: list[int]) -> None:
+        """The staged write failed: give the blocks back unregistered."""
+        self.pool.release(held)
 
     def allocate_slots(self, request_id: str, token_ids: list[int], num_computed: int, num_new: int,
-                       cached_blocks: list[int] | None = None) -> bool:
+                       cached_blocks: list[int] | None = None, root: int = ROOT_HASH) -> bool:
         """Grow the table so tokens [0, num_computed + num_new) have slots; False (no change) if full.
 
         `cached_blocks` (from find_cached_prefix, only at first admission) become the table's head.
@@ -190,18 +217,18 @@ class BlockManager:
         table = table + cached_blocks + self.pool.allocate(max(needed, 0))
         self.tables[request_id] = table
         if self.enable_prefix_caching:
-            self._register_full_blocks(request_id, token_ids, min(num_computed + num_new, len(token_ids)))
+            self._register_full_blocks(request_id, token_ids, min(num_computed + num_new, len(token_ids)), root)
         return True
 
-    def _register_full_blocks(self, request_id: str, token_ids: list[int], num_tokens: int) -> None:
+    def _register_full_blocks(self, request_id: str, token_ids: list[int], num_tokens: int, root: int) -> None:
         """Register blocks that are full after this step (their K/V is written before any reuse)."""
         hashes = self._hashed.setdefault(request_id, [])
         table = self.tables[request_id]
         for i in range(len(hashes), num_tokens // self.block_size):
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             self.pool.register(table[i], key)
-            hashes.append(hash(key))
+            hashes.append(hash_block_tokens(*key))
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Give back the blocks past those `num_tokens` tokens need (the slots of rejected draft

@@ -51,7 +51,8 @@ class EngineClient(Protocol):
     async def prepare_structured_output(self, spec: StructuredOutputsParams) -> None: ...
     # compiles (cached) the constraint; raises ValueError with `param` when it cannot be enforced
 
-    async def export_prefix_kv(self, token_ids: list[int]) -> bytes: ...  # kv_transfer wire bytes
+    async def export_prefix_kv(self, token_ids: list[int], cache_salt: str | None = None) -> bytes: ...
+    # kv_transfer wire bytes
 
     async def import_prefix_kv(self, body: bytes) -> int: ...  # blocks written; ValueError on a bad body
 

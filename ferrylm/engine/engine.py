@@ -8,7 +8,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from ferrylm.config import ConfigError, EngineConfig
-from ferrylm.engine.block_manager import BlockManager, block_hashes
+from ferrylm.engine.block_manager import BlockManager, block_hashes, root_hash
 from ferrylm.engine.host_pool import HostBlockPool
 from ferrylm.engine.output_processor import OutputProcessor
 from ferrylm.engine.preemption import PreemptionPolicy
@@ -185,26 +185,41 @@ class Engine:
         return [out for out in outputs if out is not None]
 
     # -- KV transfer (disaggregated prefill/decode) ----------------------------------------
-    def export_prefix_kv(self, token_ids: list[int]) -> KVBlocks:
-        """The K/V of the leading full blocks of `token_ids` that this engine has cached (after it ran
-        the prompt), named by their block hashes."""
-        blocks = self.block_manager.cached_blocks(token_ids)
+    def export_prefix_kv(self, token_ids: list[int], cache_salt: str | None = None) -> KVBlocks:
+        """The K/V of the leading full blocks of `token_ids` (under `cache_salt`) that this engine has
+        cached (after it ran the prompt), named by their block hashes."""
+        blocks = self.block_manager.cached_blocks(token_ids, root_hash(cache_salt))
         size = self.block_manager.block_size
-        return KVBlocks(self.runner.kv_layout(), block_hashes(token_ids, size, len(blocks)),
-                        self.runner.read_kv_blocks(blocks), list(token_ids[:len(blocks) * size]))
+        return KVBlocks(self.runner.kv_layout(), block_hashes(token_ids, size, len(blocks), cache_salt),
+                        self.runner.read_kv_blocks(blocks), list(token_ids[:len(blocks) * size]), cache_salt)
 
-    def import_prefix_kv(self, token_ids: list[int], kv: KVBlocks) -> int:
-        """Cache here the blocks another engine computed for `token_ids`'s prefix (only those not
-        already cached); a request for that prompt then starts from a prefix hit. Returns the number
-        of blocks written. Raises KVLayoutMismatch or ValueError (hashes not of these tokens)."""
-        if kv.layout != self.runner.kv_layout():
-            raise KVLayoutMismatch(f"KV blocks of layout {kv.layout} cannot go into {self.runner.kv_layout()}")
-        if kv.hashes != block_hashes(token_ids, self.block_manager.block_size, len(kv.hashes)) \
-                or len(kv.hashes) > len(token_ids) // self.block_manager.block_size:
-            raise ValueError("the KV blocks' hashes are not those of these prompt tokens")
-        fill = self.block_manager.import_cached_blocks(token_ids, len(kv.hashes))
-        if fill:
-            self.runner.write_kv_blocks([b for _, b in fill], kv.data[:, :, [i for i, _ in fill]])
+    def import_prefix_kv(self, kv: KVBlocks) -> int:
+        """Cache here the blocks another engine computed for a prompt's prefix (only those not already
+        cached); a request for that prompt then starts from a prefix hit. Returns the number of
+        blocks written. Everything is checked before the cache is touched, and the new blocks become
+        findable only once all are written: a refused or failed import leaves the cache as it was.
+        Raises KVLayoutMismatch (another layout) or ValueError (anything else wrong)."""
+        layout = self.runner.kv_layout()
+        if kv.layout != layout:
+            raise KVLayoutMismatch(f"KV blocks of layout {kv.layout} cannot go into {layout}")
+        size, tokens = self.block_manager.block_size, kv.token_ids
+        if len(kv.hashes) > len(tokens) // size or len(tokens) > self.max_model_len:
+            raise ValueError("the KV blocks cover more tokens than they name (or than the context window)")
+        try:
+            check_prompt_ids([tokens], self.vocab_size)
+        except SamplingParamsError as e:
+            raise ValueError(f"the KV blocks' tokens are not this model's: {e}") from None
+        if kv.hashes != block_hashes(tokens, size, len(kv.hashes), kv.cache_salt):
+            raise ValueError("the KV blocks' hashes are not those of their prompt tokens")
+        self.runner.check_kv_blocks(kv.data, len(kv.hashes))
+        fill, held = self.block_manager.stage_import(tokens, len(kv.hashes), root_hash(kv.cache_salt))
+        try:
+            if fill:
+                self.runner.write_kv_blocks([b for _, b, _ in fill], kv.data[:, :, [i for i, _, _ in fill]])
+        except BaseException:
+            self.block_manager.abort_import(held)
+            raise
+        self.block_manager.commit_import(fill, held)
         return len(fill)
 
     def abort(self, request_id: str) -> RequestOutput | None:

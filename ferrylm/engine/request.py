@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferrylm.engine.block_manager import root_hash
 from ferrylm.outputs import FinishReason, RequestMetrics
 from ferrylm.sampling_params import SamplingParams
 
@@ -44,11 +45,13 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # the runner's draft for the next step
     num_new_tokens: int = 0  # tokens the last step appended (more than one when a draft was accepted)
     metrics: RequestMetrics = field(init=False)  # timestamps, from arrival_time on
+    cache_root: int = field(init=False)  # its prefix-cache chain's root: root_hash(cache_salt)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.cache_root = root_hash(self.sampling_params.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

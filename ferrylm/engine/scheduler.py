@@ -185,14 +185,15 @@ class Scheduler:
                 continue
             # prompt logprobs come from the prefill's logits: such a request computes every position
             cached = [] if req.sampling_params.prompt_logprobs is not None else \
-                self.block_manager.find_cached_prefix(req.token_ids)
+                self.block_manager.find_cached_prefix(req.token_ids, req.cache_root)
             num_cached = len(cached) * self.block_manager.block_size
             n = req.num_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.block_manager.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached):
+            if not self.block_manager.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached,
+                                                     req.cache_root):
                 break
             self.waiting.pop(i)
             self._admit(req, num_cached)
@@ -232,7 +233,8 @@ class Scheduler:
         self.running.insert(bisect.bisect(keys, req.sort_key), req)
 
     def _allocate(self, req: Request, n: int) -> bool:
-        return self.block_manager.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, n)
+        return self.block_manager.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, n,
+                                                 root=req.cache_root)
 
     def _scheduled(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens

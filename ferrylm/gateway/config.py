@@ -113,6 +113,9 @@ class GatewayConfig:
     audit_prompts: bool = False  # store prompt text in the audit log (off: counts only)
     audit_rejections: bool = True  # audit 403/429/503 answers to known tenants too
     anonymous_tenant: str = "anonymous"
+    # False: each tenant's prompts are salted apart in the prefix cache (cache_salt.py); True: tenants
+    # share cached prefixes (hits across tenants, and the timing signal that comes with them)
+    shared_prefix_cache: bool = False
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -221,6 +221,21 @@ class ModelRunner:
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         return torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)])
                             for k, v in self.kv_caches]).cpu()
+
+    @torch.inference_mode()
+    def check_kv_blocks(self, data: Any, num_blocks: int) -> None:
+        """ValueError unless `data` is exactly what read_kv_blocks would give for `num_blocks` blocks
+        here (a tensor of the cache's storage dtype, every dimension equal) and every value is finite:
+        an imported block must not be able to poison a later request's attention."""
+        k = self.kv_caches[0][0]
+        want = (len(self.kv_caches), 2, num_blocks, *k.shape[1:])
+        if not isinstance(data, torch.Tensor) or data.dtype != k.dtype or tuple(data.shape) != want:
+            got = (data.dtype, tuple(data.shape)) if isinstance(data, torch.Tensor) else type(data).__name__
+            raise ValueError(f"the KV blocks are {got}, not {k.dtype} of shape {want}")
+        if data.is_floating_point():
+            for layer in data:  # one layer at a time: an fp8 cache is checked in fp32 without a whole copy
+                if not bool(torch.isfinite(layer.float()).all()):
+                    raise ValueError("the KV blocks hold non-finite values (NaN or infinity)")
 
     @torch.inference_mode()
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:

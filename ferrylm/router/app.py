@@ -16,6 +16,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ferrylm.gateway.cache_salt import effective_cache_salt
 from ferrylm.gateway.ops_auth import require_credential
 from ferrylm.gateway.reservation import reserved_tokens
 from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
@@ -52,6 +53,7 @@ from ferrylm.router.registry import ModelGroup, ReplicaRegistry
 from ferrylm.router.relay import StreamRelay
 from ferrylm.router.request_body import read_request_body
 from ferrylm.router.sse import usage_counts
+from ferrylm.sampling_params import MAX_CACHE_SALT_CHARS
 from ferrylm.version import package_version
 
 log = logging.getLogger("ferrylm.gateway")
@@ -137,6 +139,12 @@ def _state(request: Request) -> GatewayState:
     return request.app.state.ferry
 
 
+async def kv_refused(request: Request, rest: str) -> Response:
+    """KV transfer is never a tenant route: the gateway sends it only between replicas itself."""
+    raise APIError(403, "KV transfer is an internal replica-to-replica API; it is not served to clients.",
+                   code="permission_denied", type_="invalid_request_error")
+
+
 def _upstream_headers(request: Request, request_id: str, api_key: str | None) -> dict[str, str]:
     headers = {"X-Request-Id": request_id}
     headers |= {name: request.headers[name] for name in TRACE_HEADERS if name in request.headers}
@@ -146,10 +154,13 @@ def _upstream_headers(request: Request, request_id: str, api_key: str | None) ->
 
 
 def _upstream_body(body: dict, req: ChatCompletionRequest | CompletionRequest, priority: int | None,
-                   responses: bool) -> dict:
-    """The client's body as sent; chat and completion streams always ask for usage (the relay
-    drops it if unasked; a Responses stream always ends with it)."""
-    out = dict(body)
+                   responses: bool, cache_salt: str | None) -> dict:
+    """The client's body as sent, with the cache salt the gateway chose for its tenant; chat and
+    completion streams always ask for usage (the relay drops it if unasked; a Responses stream
+    always ends with it)."""
+    out = {k: v for k, v in body.items() if k != "cache_salt"}
+    if cache_salt is not None:
+        out["cache_salt"] = cache_salt
     if req.stream and not responses:
         out["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     if priority is not None:
@@ -157,12 +168,24 @@ def _upstream_body(body: dict, req: ChatCompletionRequest | CompletionRequest, p
     return out
 
 
+def _cache_salt(state: GatewayState, principal, body: dict) -> str | None:
+    """The salt the replicas hash this request's prompt with: the tenant's own namespace unless the
+    deployment shares its prefix cache (gateway/cache_salt.py); a malformed `cache_salt` is a 400."""
+    requested = body.get("cache_salt")
+    if requested is not None and not (isinstance(requested, str) and 0 < len(requested) <= MAX_CACHE_SALT_CHARS):
+        raise APIError(400, f"Invalid 'cache_salt': must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                            "characters.", "cache_salt")
+    if state.gateway is None:
+        return requested
+    return effective_cache_salt(principal, requested, state.gateway.config.shared_prefix_cache)
+
+
 async def _route_context(state: GatewayState, group: ModelGroup,
-                         req: ChatCompletionRequest | CompletionRequest) -> RouteContext:
+                         req: ChatCompletionRequest | CompletionRequest, cache_salt: str | None) -> RouteContext:
     """Token counts (for limits, admission and outstanding tokens) and prefix hashes (for affinity)."""
     block_size = group.upstream_block_size()
     try:
-        info = await asyncio.to_thread(prompt_info.describe, group.tokenizer, block_size, req)
+        info = await asyncio.to_thread(prompt_info.describe, group.tokenizer, block_size, req, cache_salt)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     n = req.n or 1
@@ -175,7 +198,7 @@ async def _route_context(state: GatewayState, group: ModelGroup,
     return RouteContext(reserved.prompt_tokens, reserved.output_tokens, info.hashes, info.key,
                         block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks, n * len(info.prompt_lens),
                         Usage.of(info.prompt_lens, 0).prompt_tokens,
-                        info.token_ids if group.config.prefill_upstreams else ())
+                        info.token_ids if group.config.prefill_upstreams else (), cache_salt)
 
 
 class _Settlement:
@@ -238,7 +261,8 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
     if group is None:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
     request.state.request_id = request_id = request.state.request_id or new_request_id(prefix)
-    ctx = await _route_context(state, group, req)
+    salt = _cache_salt(state, principal, body)
+    ctx = await _route_context(state, group, req, salt)
     admission = None
     if gateway is not None:
         admission = await gateway.admit(request.headers, client, group.name, ctx.prompt_tokens,
@@ -255,7 +279,7 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
     status: int | None = 500
     try:
         d = await cancel_on_disconnect(request, waiting.guard(dispatcher.dispatch(
-            group, path, _upstream_body(body, req, priority, responses), headers, ctx, bool(req.stream))))
+            group, path, _upstream_body(body, req, priority, responses, salt), headers, ctx, bool(req.stream))))
         extra = admission.response_headers if admission is not None else {}
         observation.replica(d.replica.url)
         if state.config.router.expose_upstream:
@@ -424,6 +448,7 @@ def build_gateway_app(config: GatewayServerConfig, span_exporter: Any = None) ->
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard)
+    app.add_api_route("/v1/kv/{rest:path}", kv_refused, methods=["GET", "POST", "PUT", "DELETE"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse)

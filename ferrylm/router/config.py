@@ -3,7 +3,7 @@ how failures are handled. Built from a YAML file, from `--upstream` flags, or bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ferrylm.config import ConfigError
@@ -67,6 +67,7 @@ class RouterConfig:
     affinity_map_size: int = 100_000  # block hashes remembered for prefix affinity
     default_max_tokens: int = 256  # no max_tokens and no replica has reported max_model_len yet
     upstream_api_key: str | None = None  # sent to the replicas as a Bearer token
+    kv_transfer_key: str | None = None  # disaggregated: the replicas' --kv-transfer-key (KV routes take only it)
     expose_upstream: bool = False  # name the answering replica in an X-FerryLM-Upstream header
 
     def __post_init__(self) -> None:
@@ -81,6 +82,9 @@ class RouterConfig:
         for group in self.groups:
             if group.fallback is not None and group.fallback not in {g.name for g in self.groups}:
                 raise ConfigError(f"model group {group.name!r}: fallback {group.fallback!r} is not a group")
+        if any(g.prefill_upstreams for g in self.groups) and not self.kv_transfer_key:
+            raise ConfigError("the disaggregated policy needs --kv-transfer-key (env FERRYLM_KV_TRANSFER_KEY): "
+                              "the replicas' KV routes take only that replica-to-replica secret")
         if min(self.max_attempts, self.breaker_failures, self.poll_failures) < 1:
             raise ConfigError("max_attempts, breaker_failures and poll_failures must be at least 1")
         if min(self.poll_interval_s, self.poll_timeout_s, self.breaker_open_s, self.connect_timeout_s) <= 0:
@@ -146,9 +150,8 @@ def load_router_config(path: str | Path | None, upstream_flags: list[str] | None
         if set(settings) - known:
             raise ConfigError(f"{path}: unknown settings {sorted(set(settings) - known)}")
     groups += parse_upstream_flags(upstream_flags or [], default_model, policy, prefill_flags)
-    config = RouterConfig(tuple(groups), **settings)
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    return replace(config, **overrides) if overrides else config
+    return RouterConfig(tuple(groups), **(settings | overrides))
 
 
 __all__ = ["GroupConfig", "RouterConfig", "POLICIES", "load_router_config", "parse_upstream_flags"]

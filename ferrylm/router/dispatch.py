@@ -113,7 +113,7 @@ class Dispatcher:
                  metrics: RouterMetrics):
         self.registry, self.config, self.client, self.metrics = registry, config, client, metrics
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
-        self.prefill = PrefillTransfer(client, PREFILL_TIMEOUT_S, config.connect_timeout_s)
+        self.prefill = PrefillTransfer(client, PREFILL_TIMEOUT_S, config.connect_timeout_s, config.kv_transfer_key)
 
     async def dispatch(self, group: ModelGroup, path: str, body: dict, headers: dict[str, str],
                        ctx: RouteContext, stream: bool) -> Dispatch:
@@ -178,7 +178,7 @@ class Dispatcher:
         payload = dict(body, model=replica.served_model or group.name)
         if group.config.prefill_upstreams and ctx.prompt_token_ids:  # the disaggregated policy
             moved = await self.prefill.run(group.name, group.config.prefill_upstreams, payload["model"], replica.url,
-                                           ctx.prompt_token_ids, headers)
+                                           ctx.prompt_token_ids, headers, ctx.cache_salt)
             self.metrics.kv_transfers.labels(group.name, "failed" if moved is None else "ok").inc()
         ticket = replica.begin(ctx.prompt_tokens, ctx.expected_output)
         started = time.monotonic()

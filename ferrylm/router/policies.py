@@ -26,6 +26,7 @@ class RouteContext(NamedTuple):
     num_sequences: int = 1  # prompts × n: engine requests, each held against the tenant's concurrency
     billed_prompt_tokens: int = 0  # each prompt once (outputs.Usage.of), if the replica reports no usage
     prompt_token_ids: tuple[int, ...] = ()  # the one prompt's exact ids (disaggregated prefill), when known
+    cache_salt: str | None = None  # the salt the replica hashes the prompt with (gateway/cache_salt.py)
 
 
 class Choice(NamedTuple):

@@ -47,13 +47,15 @@ class PromptInfo(NamedTuple):
     token_ids: tuple[int, ...] = ()  # the prompt's exact ids when there is one prompt and a tokenizer
 
 
-def describe(tokenizer, block_size: int | None, request: ChatCompletionRequest | CompletionRequest) -> PromptInfo:
-    """Token counts per prompt and the prefix-affinity key of a request."""
+def describe(tokenizer, block_size: int | None, request: ChatCompletionRequest | CompletionRequest,
+             cache_salt: str | None = None) -> PromptInfo:
+    """Token counts per prompt and the prefix-affinity key of a request (hashed under its cache
+    salt, as the replica will: one tenant's prompt never routes as another's cache hit)."""
     if tokenizer is not None:
         prompts = prompt_token_lists(tokenizer, request)
         size = block_size or DEFAULT_BLOCK_SIZE
         first = prompts[0][:MAX_HASHED_BLOCKS * size] if prompts else []
-        return PromptInfo([len(p) for p in prompts], tuple(block_hashes(first, size)), None,
+        return PromptInfo([len(p) for p in prompts], tuple(block_hashes(first, size, cache_salt=cache_salt)), None,
                           tuple(prompts[0]) if len(prompts) == 1 else ())
     if isinstance(request, ChatCompletionRequest):
         texts = [_chat_text(request)]
@@ -61,4 +63,4 @@ def describe(tokenizer, block_size: int | None, request: ChatCompletionRequest |
         p = request.prompt
         texts = [p] if isinstance(p, str) else [str(x) for x in p] if p and not isinstance(p[0], int) else [str(p)]
     lens = [len(t) // CHARS_PER_TOKEN + 1 for t in texts]
-    return PromptInfo(lens, (), _stable_hash(texts[0][:512]) if texts else None)
+    return PromptInfo(lens, (), _stable_hash(f"{cache_salt}\0{texts[0][:512]}") if texts else None)

@@ -98,6 +98,7 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
                                         engine.model_info.max_model_len)
     headers = admission.response_headers if admission is not None else {}
     tenant = admission.principal.tenant if admission is not None else None
+    params = gatekeeping.salted(state, admission, params)
     trace = RequestTrace(state.tracing, request.headers, ctx.request_id, ctx.model, ctx.start, params, tenant) \
         if state.tracing is not None else None
     try:
@@ -359,13 +360,15 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     v1.add_api_route("/responses", create_response, methods=["POST"],
                      responses={200: {"content": {"text/event-stream": {}}}} | generation_errors,
                      openapi_extra=json_body_openapi(ResponsesRequest))
-    v1.add_api_route("/kv/export", kv_routes.kv_export, methods=["POST"], responses=error_responses(400, 404, 503))
-    v1.add_api_route("/kv/import", kv_routes.kv_import, methods=["POST"],
-                     responses=error_responses(400, 404, 409, 413, 503))
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
     v1.add_api_route("/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard,
                      responses=error_responses(404))
     app.include_router(v1)
+    kv = APIRouter(prefix="/v1/kv", responses=error_responses(401, 403))  # its own credential (kv_routes)
+    kv.add_api_route("/export", kv_routes.kv_export, methods=["POST"], responses=error_responses(400, 404, 503))
+    kv.add_api_route("/import", kv_routes.kv_import, methods=["POST"],
+                     responses=error_responses(400, 404, 409, 413, 503))
+    app.include_router(kv)
     tokens = APIRouter(dependencies=[Depends(require_api_key)], responses=error_responses(400, 401, 404, 503))
     tokens.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"], response_model=TokenizeResponse,
                          openapi_extra=json_body_openapi(TokenizeRequest))

@@ -33,6 +33,7 @@ class ServerConfig:
     connections: ConnectionLimits = ConnectionLimits()  # keep-alive / header timeouts, connection cap
     kv_role: str | None = None  # --kv-role: prefill (serves /v1/kv/export), decode (/v1/kv/import), both
     max_kv_transfer_bytes: int = 1 << 30  # a /v1/kv/import body larger than this gets 413
+    kv_transfer_key: str | None = None  # --kv-transfer-key: the only credential the KV routes take
     tracing: TracingConfig | None = None  # --otlp-traces-endpoint: OpenTelemetry spans over OTLP (None: off)
     tenant_metrics: TenantMetricsConfig = TenantMetricsConfig()  # which tenants get their own latency series
     tensor_parallel_size: int = 1  # devices the engine uses: tokens_per_second_per_device divides by it
@@ -45,6 +46,12 @@ class ServerConfig:
             raise ConfigError("max_sequences_per_request and max_stream_backlog must be at least 1")
         if self.kv_role not in (None, "prefill", "decode", "both"):
             raise ConfigError(f"--kv-role must be prefill, decode or both, not {self.kv_role!r}")
+        if self.kv_role is not None and not self.kv_transfer_key:
+            raise ConfigError("--kv-role needs --kv-transfer-key (env FERRYLM_KV_TRANSFER_KEY): KV transfer is a "
+                              "replica-to-replica API that API and tenant keys cannot reach")
+        if self.kv_transfer_key is not None and (len(self.kv_transfer_key) < 16
+                                                 or self.kv_transfer_key == self.api_key):
+            raise ConfigError("--kv-transfer-key must be at least 16 characters and differ from --api-key")
         if self.max_kv_transfer_bytes < 1024:
             raise ConfigError("--max-kv-transfer-bytes must be at least 1024")
         if self.max_body_bytes < 1024:

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 
 from fastapi import Request
 
 from ferrylm.engine.client import EngineClient
+from ferrylm.gateway.cache_salt import effective_cache_salt
 from ferrylm.gateway.policy import Admission
 from ferrylm.gateway.reservation import reserved_tokens
 from ferrylm.outputs import Usage
@@ -41,6 +43,14 @@ async def admit(request: Request, state: ServerState, engine: EngineClient, requ
         reserved.output_tokens, engine.stats(), request_id=request_id,
         engine_healthy=engine.is_running, principal=getattr(request.state, "principal", None),
         num_sequences=len(prompts) * params.n, request_charge=getattr(request.state, "request_charge", None))
+
+
+def salted(state: ServerState, admission: Admission | None, params: SamplingParams) -> SamplingParams:
+    """`params` with the cache salt of the caller's tenant (gateway/cache_salt.py)."""
+    if admission is None or state.gateway is None:
+        return params
+    salt = effective_cache_salt(admission.principal, params.cache_salt, state.gateway.config.shared_prefix_cache)
+    return params if salt == params.cache_salt else dataclasses.replace(params, cache_salt=salt)
 
 
 def priority(state: ServerState, admission: Admission | None, requested: int | None) -> int:

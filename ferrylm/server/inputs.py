@@ -60,7 +60,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: 
             stop_token_ids=list(r.stop_token_ids or []),
             include_stop_str_in_output=bool(r.include_stop_str_in_output), ignore_eos=bool(r.ignore_eos),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=r.skip_special_tokens is not False,
-            structured_outputs=constraint)
+            structured_outputs=constraint, cache_salt=(r.model_extra or {}).get("cache_salt"))
         check_token_ids(params, vocab_size)
     except SamplingParamsError as e:
         raise invalid(f"Invalid '{e.param}': {str(e).rstrip('.')}.", e.param) from None

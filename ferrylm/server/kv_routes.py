@@ -1,23 +1,43 @@
 """KV-block transfer between replicas (disaggregated prefill/decode, --kv-role): a prefill replica
 exports the K/V of a prompt's cached full blocks, a decode replica imports them into its prefix
 cache, so a request for that prompt there starts from a prefix hit. The body is kv_transfer's wire
-format (safetensors). Behind the server's credential like /v1; 404 where the role is not enabled."""
+format (safetensors).
+
+Not a tenant API: these routes answer only the replica-to-replica credential (--kv-transfer-key,
+distinct from every API and tenant key; the gateway's disaggregated policy sends it), as vLLM's KV
+connectors use an internal channel. No credential: 401; any other (a tenant's key): 403; a replica
+without a --kv-role: 404."""
 
 from __future__ import annotations
+
+import secrets
 
 from fastapi import Request, Response
 
 from ferrylm.http.body import read_json_body, read_raw_body
 from ferrylm.http.errors import APIError, invalid
 from ferrylm.kv_transfer import KVLayoutMismatch
-from ferrylm.server import gatekeeping
+from ferrylm.sampling_params import MAX_CACHE_SALT_CHARS
 from ferrylm.server.state import ServerState
 
 
+def check_transfer_key(request: Request, expected: str) -> None:
+    """401 without a bearer credential, 403 with any other than the transfer key (constant time)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError(401, "KV transfer needs the replicas' transfer credential (Authorization: Bearer).",
+                       code="invalid_api_key", type_="invalid_request_error")
+    if not secrets.compare_digest(token.strip().encode(), expected.encode()):
+        raise APIError(403, "KV transfer is an internal replica-to-replica API; API and tenant keys cannot use it.",
+                       code="permission_denied", type_="invalid_request_error")
+
+
 async def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerState:
-    """The server state for an authenticated caller (401 before anything is said about the role)."""
+    """The server state for the transfer credential (401/403 before anything is said about the role)."""
     state: ServerState = request.app.state.ferry
-    await gatekeeping.authenticate(request, state)
+    if state.config.kv_transfer_key is None:
+        raise APIError(404, "KV transfer is off on this replica.", code="not_found", type_="invalid_request_error")
+    check_transfer_key(request, state.config.kv_transfer_key)
     if state.config.kv_role not in roles:
         raise APIError(404, f"KV {what} is off on this replica: start it with --kv-role {' or '.join(roles)}.",
                        code="not_found", type_="invalid_request_error")
@@ -25,15 +45,18 @@ async def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerS
 
 
 async def kv_export(request: Request) -> Response:
-    """{"prompt_token_ids": [...]} → the K/V of that prompt's leading full blocks cached here."""
+    """{"prompt_token_ids": [...], "cache_salt": ...} → the K/V of that prompt's leading full blocks
+    cached here under that salt (the one its request ran with)."""
     state = await _state(request, ("prefill", "both"), "export")
     engine = state.admit()
     body = await read_json_body(request, state.config.max_body_bytes)
-    ids = body.get("prompt_token_ids")
+    ids, salt = body.get("prompt_token_ids"), body.get("cache_salt")
     vocab = engine.model_info.vocab_size
-    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
         raise invalid(f"'prompt_token_ids' must be a list of token ids (0..{vocab - 1}).", "prompt_token_ids")
-    return Response(content=await engine.export_prefix_kv(ids), media_type="application/octet-stream")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise invalid("'cache_salt' must be a non-empty string.", "cache_salt")
+    return Response(content=await engine.export_prefix_kv(ids, salt), media_type="application/octet-stream")
 
 
 async def kv_import(request: Request) -> dict:
