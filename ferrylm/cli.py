@@ -193,6 +193,9 @@ def _add_gateway_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--jwt-audience", default=None)
     g.add_argument("--jwt-tenant-claim", default="tenant")
     g.add_argument("--audit-prompts", action="store_true", help="store prompt text in the audit log")
+    g.add_argument("--cached-token-weight", type=float, default=1.0,
+                   help="what a prompt token served from the prefix cache weighs in rate limits and daily quotas "
+                        "(0..1; 1: like any prompt token)")
     g.add_argument("--shared-prefix-cache", action="store_true",
                    help="let tenants share cached prompt prefixes (default: each tenant's prompts are salted apart, "
                         "so no tenant gets a cache hit, or its timing, from another's prompt)")
@@ -220,7 +223,7 @@ def gateway_config_from_args(args: argparse.Namespace):
 
     return GatewayConfig(require_auth=args.require_auth, state_db=args.state_db, jwt=jwt, redis_url=args.redis_url,
                          rate_limit_failure_mode=args.rate_limit_failure_mode, audit_prompts=args.audit_prompts,
-                         shared_prefix_cache=args.shared_prefix_cache,
+                         shared_prefix_cache=args.shared_prefix_cache, cached_token_weight=args.cached_token_weight,
                          admission=AdmissionConfig(enabled=not getattr(args, "no_admission_control", False)))
 
 

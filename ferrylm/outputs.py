@@ -96,10 +96,11 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache (not recomputed)
 
     @classmethod
-    def of(cls, prompt_lens: list[int], completion_tokens: int) -> "Usage":
-        return cls(sum(prompt_lens), completion_tokens)
+    def of(cls, prompt_lens: list[int], completion_tokens: int, cached_tokens: int = 0) -> "Usage":
+        return cls(sum(prompt_lens), completion_tokens, cached_tokens)
 
     @property
     def total_tokens(self) -> int:

@@ -25,6 +25,7 @@ class AuditRecord:
     client_addr: str | None
     error_code: str | None = None
     prompt: str | None = None
+    cached_tokens: int = 0  # of prompt_tokens, those served from the prefix cache
 
 
 class AuditLog:

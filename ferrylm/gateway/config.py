@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -116,10 +117,20 @@ class GatewayConfig:
     # False: each tenant's prompts are salted apart in the prefix cache (cache_salt.py); True: tenants
     # share cached prefixes (hits across tenants, and the timing signal that comes with them)
     shared_prefix_cache: bool = False
+    # how much a prompt token served from the prefix cache weighs in rate limits and daily quotas
+    # (1.0: like any prompt token; OpenAI prices cached input at 0.1-0.5 of the uncached price)
+    cached_token_weight: float = 1.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.cached_token_weight <= 1.0:
+            raise ConfigError("cached_token_weight must be in [0, 1]")
         if not self.state_db:
             raise ConfigError("state_db must be a SQLAlchemy URL")
         if self.rate_limit_failure_mode not in ("open", "closed"):
             raise ConfigError("rate_limit_failure_mode must be 'open' or 'closed'")
+
+    def billed_tokens(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> int:
+        """Tokens a request charges against rate limits and the daily quota: cached prompt tokens
+        weigh `cached_token_weight` (rounded up, so a positive weight never charges nothing)."""
+        return prompt_tokens - cached_tokens + math.ceil(cached_tokens * self.cached_token_weight) + completion_tokens

@@ -185,11 +185,12 @@ class Gateway:
             raise
 
     async def finish(self, admission: Admission, status: int, prompt_tokens: int, completion_tokens: int,
-                     latency: float | None = None, *, prompt: str | None = None, error_code: str | None = None) -> None:
+                     latency: float | None = None, *, prompt: str | None = None, error_code: str | None = None,
+                     cached_tokens: int = 0) -> None:
         """Settle limits, release concurrency, charge the daily quota, write the audit record.
         Idempotent; completes even if the caller is cancelled; never raises."""
         call = functools.partial(self.finish_sync, admission, status, prompt_tokens, completion_tokens, latency,
-                                 prompt=prompt, error_code=error_code)
+                                 prompt=prompt, error_code=error_code, cached_tokens=cached_tokens)
         try:
             future = asyncio.get_running_loop().run_in_executor(self._executor, call)
         except RuntimeError:  # closed during shutdown: release inline rather than leak
@@ -288,12 +289,16 @@ class Gateway:
         return result
 
     def finish_sync(self, admission: Admission, status: int, prompt_tokens: int, completion_tokens: int,
-                    latency: float | None = None, *, prompt: str | None = None, error_code: str | None = None) -> None:
+                    latency: float | None = None, *, prompt: str | None = None, error_code: str | None = None,
+                    cached_tokens: int = 0) -> None:
         with self._lock:
             if self._open.pop(admission.admission_id, None) is None:
                 return  # finished already
             others = bool(self._open)
-        tenant, used, now = admission.principal.tenant, max(0, prompt_tokens) + max(0, completion_tokens), self._clock()
+        prompt_tokens, completion_tokens = max(0, prompt_tokens), max(0, completion_tokens)
+        cached_tokens = min(max(0, cached_tokens), prompt_tokens)
+        tenant, now = admission.principal.tenant, self._clock()
+        used = self.config.billed_tokens(prompt_tokens, completion_tokens, cached_tokens)
         self.concurrency.release(tenant, admission.num_sequences)
         self.daily.release(tenant, admission.daily_hold)
         self.drain.observe_completion(used, completion_tokens, others, now,
@@ -307,7 +312,7 @@ class Gateway:
         record = AuditRecord(admission.started_at, admission.request_id, tenant, p.key_id, admission.model,
                              prompt_tokens, completion_tokens, status,
                              latency if latency is not None else now - admission.started_at,
-                             admission.client_addr, error_code, prompt)
+                             admission.client_addr, error_code, prompt, cached_tokens)
         self._audit(record, charge=used)
 
     def _audit(self, record: AuditRecord, charge: int = 0) -> None:

@@ -59,5 +59,6 @@ audit_log = Table(
     Column("latency_s", Float, nullable=False),
     Column("client_addr", String(128), nullable=True),
     Column("prompt", Text, nullable=True),  # only with audit_prompts
+    Column("cached_tokens", Integer, nullable=False, server_default="0"),  # added in M3.2 (store.py adds it)
 )
 Index("ix_audit_log_tenant_ts", audit_log.c.tenant, audit_log.c.ts)

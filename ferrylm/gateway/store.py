@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TypeVar
 
-from sqlalchemy import BigInteger, Connection, bindparam, create_engine, event, insert, select, update
+from sqlalchemy import BigInteger, Connection, bindparam, create_engine, event, insert, inspect, select, text, update
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
@@ -120,6 +120,25 @@ class Store:
             metadata.create_all(self.engine)
         except (OperationalError, ProgrammingError, IntegrityError):
             metadata.create_all(self.engine)  # another replica created the tables meanwhile
+        self._add_new_columns()
+
+    def _add_new_columns(self) -> None:
+        """A database made by an older version lacks the columns added since (each has a server
+        default): add them, so upgrading keeps every tenant, key and audit row."""
+        inspector = inspect(self.engine)
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in have or column.server_default is None:
+                    continue
+                kind = column.type.compile(self.engine.dialect)
+                default = column.server_default.arg  # type: ignore[attr-defined]
+                try:
+                    with self.engine.begin() as conn:
+                        conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN {column.name} {kind} '
+                                          f"NOT NULL DEFAULT {default}"))
+                except (OperationalError, ProgrammingError):
+                    pass  # another replica added it meanwhile
 
     def close(self) -> None:
         self.engine.dispose()

@@ -213,13 +213,14 @@ class _Settlement:
         (4xx, as `ferrylm serve` bills a refused request), each prompt once otherwise."""
         return 0 if 400 <= status < 499 else self._ctx.billed_prompt_tokens
 
-    async def __call__(self, status: int, prompt: int | None, completion: int) -> None:
+    async def __call__(self, status: int, prompt: int | None, completion: int, cached: int = 0) -> None:
         self._observation.end(status, prompt, completion)
         gateway = self._state.gateway
         if self._admission is not None and gateway is not None:
             await gateway.finish(self._admission, status,
-                                             prompt if prompt is not None else self._unreported_prompt(status),
-                                             completion, time.monotonic() - self._started)
+                                 prompt if prompt is not None else self._unreported_prompt(status),
+                                 completion, time.monotonic() - self._started,
+                                 cached_tokens=cached if isinstance(cached, int) else 0)
 
 
 RequestModel = type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest]
@@ -305,7 +306,7 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
     finally:
         if status is not None:
             state.metrics.requests.labels(group.name, str(status)).inc()
-            await settle(status, None, 0)
+            await settle(status, None, 0, 0)
 
 
 async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Response:
@@ -326,7 +327,8 @@ async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Resp
             await d.aclose()
         finally:
             state.metrics.requests.labels(d.group.name, str(status)).inc()
-            await settle(status, usage.get("prompt_tokens"), usage.get("completion_tokens", 0))
+            await settle(status, usage.get("prompt_tokens"), usage.get("completion_tokens", 0),
+                         usage.get("cached_tokens", 0))
     return Response(content, status_code=status, media_type="application/json", headers=extra)
 
 

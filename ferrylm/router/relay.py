@@ -20,7 +20,8 @@ from ferrylm.router.replica import Replica
 from ferrylm.router.sse import DONE, Event, error_event
 
 log = logging.getLogger("ferrylm.router")
-Settle = Callable[[int, int | None, int], Awaitable[None]]  # (status, prompt tokens or None, completion tokens)
+# (status, prompt tokens or None, completion tokens, cached prompt tokens)
+Settle = Callable[[int, int | None, int, int], Awaitable[None]]
 
 
 def _error_status(error: dict) -> int:
@@ -168,4 +169,5 @@ class StreamRelay:
             await self._d.aclose(finished=self._clean_end)
         finally:
             self._metrics.requests.labels(self._d.group.name, str(status)).inc()
-            await self._settle_cb(status, usage.get("prompt_tokens"), usage.get("completion_tokens", self._completion))
+            await self._settle_cb(status, usage.get("prompt_tokens"), usage.get("completion_tokens", self._completion),
+                                  usage.get("cached_tokens", 0))

@@ -17,11 +17,14 @@ RESPONSES_FINAL_EVENTS = ("response.completed", "response.incomplete", "response
 
 
 def usage_counts(usage: dict) -> dict:
-    """prompt_tokens / completion_tokens of a usage object, from the Responses API's
-    input_tokens / output_tokens where that is what it has."""
-    if "prompt_tokens" in usage or "input_tokens" not in usage:
-        return usage
-    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens", 0)}
+    """prompt_tokens / completion_tokens / cached_tokens of a usage object, from the Responses API's
+    input_tokens / output_tokens (and input_tokens_details) where that is what it has."""
+    chat = "prompt_tokens" in usage or "input_tokens" not in usage
+    details = usage.get("prompt_tokens_details" if chat else "input_tokens_details")
+    cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    counts = usage if chat else {"prompt_tokens": usage.get("input_tokens"),
+                                 "completion_tokens": usage.get("output_tokens", 0)}
+    return counts | {"cached_tokens": cached if isinstance(cached, int) else 0}
 
 
 class Event(NamedTuple):
@@ -52,7 +55,7 @@ class Event(NamedTuple):
             usage = (data.get("response") or {}).get("usage")
             return usage_counts(usage) if isinstance(usage, dict) else None
         if data and not data.get("choices") and isinstance(data.get("usage"), dict):
-            return data["usage"]
+            return usage_counts(data["usage"])
         return None
 
     @property

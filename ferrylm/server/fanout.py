@@ -157,6 +157,17 @@ class Fanout:
         """Tokens the consumer has seen across every choice (what the request is billed)."""
         return sum(p.num_output_tokens for p in self._parents)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, each prompt once like its billing: per prompt
+        the fewest any of its samples got (one of them computed what the others then found)."""
+        total = 0
+        for parent in self._parents:
+            outs = [parent.child_output(j) for j in range(self.n)]
+            got = [o.num_cached_tokens for o in outs if o is not None]
+            total += min(got) if len(got) == self.n else 0
+        return total
+
     def _aborted_output(self, index: int) -> RequestOutput:
         """The final delta of a sequence cancelled before it finished: nothing new, marked ABORT."""
         parent, j = self._parent(index)

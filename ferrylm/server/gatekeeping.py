@@ -60,19 +60,19 @@ def priority(state: ServerState, admission: Admission | None, requested: int | N
     return requested or 0
 
 
-def usage(fanout: Fanout) -> tuple[int, int]:
-    """(prompt tokens, completion tokens) billed for what the fanout has produced so far: the
-    response's own usage (outputs.Usage.of), so both front doors charge alike."""
-    billed = Usage.of([len(p) for p in fanout.prompts], fanout.num_completion_tokens)
-    return billed.prompt_tokens, billed.completion_tokens
+def usage(fanout: Fanout) -> Usage:
+    """What is billed for what the fanout has produced so far: the response's own usage
+    (outputs.Usage.of), so both front doors charge alike."""
+    return Usage.of([len(p) for p in fanout.prompts], fanout.num_completion_tokens, fanout.num_cached_tokens)
 
 
 async def finish(state: ServerState, admission: Admission | None, status: int, fanout: Fanout | None,
                  started: float) -> None:
     if admission is None or state.gateway is None:
         return
-    prompt, completion = usage(fanout) if fanout is not None else (0, 0)  # refused before any engine work
-    await state.gateway.finish(admission, status, prompt, completion, time.monotonic() - started)
+    billed = usage(fanout) if fanout is not None else Usage(0, 0)  # refused before any engine work
+    await state.gateway.finish(admission, status, billed.prompt_tokens, billed.completion_tokens,
+                               time.monotonic() - started, cached_tokens=billed.cached_tokens)
 
 
 class finishing:  # noqa: N801 - used like the async generator it replaces

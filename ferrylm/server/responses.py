@@ -77,7 +77,8 @@ def _response(ctx: ResponseContext, echo: dict, status: str, output: list[dict],
                             **echo, "usage": None}
     if fanout is not None:
         u = usage(fanout, fanout.finals())
-        body["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
+        body["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
                          "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                          "total_tokens": u.total_tokens}
     return body

@@ -28,6 +28,7 @@ from ferrylm.http.protocol import (
     CompletionResponse,
     DeltaMessage,
     FinishReasonStr,
+    PromptTokensDetails,
     UsageInfo,
 )
 from ferrylm.observability.request_timeline import RequestTimeline
@@ -65,9 +66,11 @@ def sse(event: BaseModel | dict) -> str:
 
 def usage(fanout: Fanout, finals: list[RequestOutput]) -> UsageInfo:
     """Prompt tokens count once per prompt (not per sample), as OpenAI bills them (Usage.of)."""
-    u = Usage.of([len(p) for p in fanout.prompts], sum(len(out.outputs[0].token_ids) for out in finals))
+    u = Usage.of([len(p) for p in fanout.prompts], sum(len(out.outputs[0].token_ids) for out in finals),
+                 fanout.num_cached_tokens)
     return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                     total_tokens=u.total_tokens)
+                     total_tokens=u.total_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
 
 
 def _reason(out: RequestOutput) -> FinishReasonStr | None:

@@ -14,6 +14,7 @@ from tests.e2e.server_process import ServerProcess
 
 pytestmark = requires_smollm2
 MODEL = "smollm2-135m"
+KEY = ("--kv-transfer-key", "kv-transfer-secret-0123456789")
 
 
 def _messages(topic: str) -> list[dict]:
@@ -23,12 +24,12 @@ def _messages(topic: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def fleet():
-    prefill = ServerProcess("--dtype", "float32", "--kv-role", "prefill")
-    decode = ServerProcess("--dtype", "float32", "--kv-role", "decode")
+    prefill = ServerProcess("--dtype", "float32", "--kv-role", "prefill", *KEY)
+    decode = ServerProcess("--dtype", "float32", "--kv-role", "decode", *KEY)
     prefill.wait_ready()
     decode.wait_ready()
     gateway = ServerProcess("--upstream", decode.base_url, "--prefill-upstream", prefill.base_url, "--policy",
-                            "disaggregated", "--no-gateway", "--poll-interval", "0.25", command="gateway")
+                            "disaggregated", "--no-gateway", "--poll-interval", "0.25", *KEY, command="gateway")
     gateway.wait_ready()
     yield prefill, decode, gateway
     for proc in (gateway, decode, prefill):
@@ -56,6 +57,16 @@ def test_one_stream_equal_to_a_single_replica_with_the_prompt_from_the_cache(fle
         assert decode.wait_idle()["ferrylm:prefix_cache_hits_total"] - hits0 == (len(ids) - 1) // 16 * 16
         assert prefill.wait_idle()["ferrylm:prompt_tokens_total"] - prefilled0 == len(ids)  # it ran there
     assert gateway.metrics()[f"ferrylm:router_kv_transfers_total{{model_group={MODEL},outcome=ok}}"] == 2
+
+
+def test_the_gateway_never_serves_the_kv_routes(fleet):
+    import httpx
+
+    gateway = fleet[2]
+    for path in ("/v1/kv/export", "/v1/kv/import"):
+        r = httpx.post(gateway.url(path), json={"prompt_token_ids": [1]}, timeout=10,
+                       headers={"Authorization": f"Bearer {KEY[1]}"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
 
 
 def test_a_dead_prefill_replica_falls_back_to_recompute(fleet, llm_fp32):
