@@ -181,7 +181,7 @@ def _cache_salt(state: GatewayState, principal, body: dict) -> str | None:
 
 
 async def _route_context(state: GatewayState, group: ModelGroup,
-                         req: ChatCompletionRequest | CompletionRequest, cache_salt: str | None) -> RouteContext:
+                         req: ChatCompletionRequest | CompletionRequest, cache_salt: str | None = None) -> RouteContext:
     """Token counts (for limits, admission and outstanding tokens) and prefix hashes (for affinity)."""
     block_size = group.upstream_block_size()
     try:

@@ -32,12 +32,27 @@ from ferrylm.router.sse import Event, events
 log = logging.getLogger("ferrylm.router")
 
 
+REPLICA_FAULT_STATUSES = frozenset({502, 503, 504})  # the replica cannot serve: anything else is about the request
+
+
+def is_replica_fault(status: int | None, error: dict | None = None) -> bool:
+    """What the circuit breaker counts: no answer at all (status None: connect error, timeout,
+    broken stream), 502/503/504, or an engine that died. A 500 or another in-band server error is
+    what one request's content made the replica do: counting it would let one tenant repeating
+    such a request eject a healthy replica for everyone."""
+    if error is not None:
+        return error.get("code") == "engine_dead"
+    return status is None or status in REPLICA_FAULT_STATUSES
+
+
 class UpstreamFailure(Exception):
     """A try that may be retried on another replica (nothing has reached the client)."""
 
-    def __init__(self, replica: Replica, reason: str, status: int | None = None, detail: str = ""):
+    def __init__(self, replica: Replica, reason: str, status: int | None = None, detail: str = "",
+                 replica_fault: bool = True):
         super().__init__(f"{replica.url}: {reason} {status or ''} {detail}".strip())
         self.replica, self.reason, self.status = replica, reason, status
+        self.replica_fault = replica_fault  # counts toward the breaker (is_replica_fault)
 
 
 @dataclass
@@ -147,7 +162,10 @@ class Dispatcher:
                     tried.add(f.replica.url)
                     log.warning("upstream try failed", extra={"replica": f.replica.url, "reason": f.reason,
                                                               "status": f.status, "attempt": attempts})
-                    self.record_failure(f.replica)
+                    if f.replica_fault:
+                        self.record_failure(f.replica)
+                    else:
+                        breaker.release_probe()
                     continue
                 except BaseException:  # cancelled (client gone) or a bug: the replica is not to blame
                     breaker.release_probe()
@@ -194,7 +212,8 @@ class Dispatcher:
             except httpx.TransportError as e:
                 raise UpstreamFailure(replica, type(e).__name__, detail=str(e)) from None
             if response.status_code >= 500:
-                raise UpstreamFailure(replica, "status", response.status_code)
+                raise UpstreamFailure(replica, "status", response.status_code,
+                                      replica_fault=is_replica_fault(response.status_code))
             result = Dispatch(group, replica, ticket, response, started, attempts, echo_left=ctx.echo_chunks)
             if stream and response.status_code == 200:
                 await self._read_head(result)
@@ -221,7 +240,8 @@ class Dispatcher:
                     d.in_band_client_error = True
                     return
                 if event.error:  # nothing has reached the client yet: another replica may do better
-                    raise UpstreamFailure(d.replica, "stream_error", detail=str(event.error.get("message")))
+                    raise UpstreamFailure(d.replica, "stream_error", detail=str(event.error.get("message")),
+                                          replica_fault=is_replica_fault(None, event.error))
                 d.head.append(event)
                 if d.is_token(event):
                     d.first_token_at = time.monotonic()

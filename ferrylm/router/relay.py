@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from ferrylm.router.dispatch import Dispatch
+from ferrylm.router.dispatch import Dispatch, is_replica_fault
 from ferrylm.router.metrics import RouterMetrics
 from ferrylm.router.observation import GatewayObservation
 from ferrylm.router.replica import Replica
@@ -147,7 +147,7 @@ class StreamRelay:
             self._d.ticket.generated(event.tokens)
         if event.error:
             self._status = _error_status(event.error)
-            if self._status >= 500:  # an engine error in-band: the replica's fault, as a broken stream is
+            if is_replica_fault(None, event.error):  # the engine died: the replica's fault, as a broken stream is
                 self._replica_fault()
         if event.usage is not None:
             self._usage = event.usage

@@ -6,7 +6,7 @@ format (safetensors).
 Not a tenant API: these routes answer only the replica-to-replica credential (--kv-transfer-key,
 distinct from every API and tenant key; the gateway's disaggregated policy sends it), as vLLM's KV
 connectors use an internal channel. No credential: 401; any other (a tenant's key): 403; a replica
-without a --kv-role: 404."""
+with a --kv-role that does not serve the route: 404 (without any, no credential opens them)."""
 
 from __future__ import annotations
 
@@ -18,26 +18,32 @@ from ferrylm.http.body import read_json_body, read_raw_body
 from ferrylm.http.errors import APIError, invalid
 from ferrylm.kv_transfer import KVLayoutMismatch
 from ferrylm.sampling_params import MAX_CACHE_SALT_CHARS
+from ferrylm.server.auth import require_api_key
 from ferrylm.server.state import ServerState
 
 
-def check_transfer_key(request: Request, expected: str) -> None:
-    """401 without a bearer credential, 403 with any other than the transfer key (constant time)."""
+async def check_transfer_key(request: Request, state: ServerState) -> None:
+    """Pass only the transfer key (compared in constant time). Anything else: 401 for a credential
+    /v1 would refuse too (none, wrong, revoked), 403 for one it accepts (an API or tenant key)."""
+    expected = state.config.kv_transfer_key
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    if expected is not None and scheme.lower() == "bearer" and \
+            secrets.compare_digest(token.strip().encode(), expected.encode()):
+        return
+    if not token.strip():
         raise APIError(401, "KV transfer needs the replicas' transfer credential (Authorization: Bearer).",
                        code="invalid_api_key", type_="invalid_request_error")
-    if not secrets.compare_digest(token.strip().encode(), expected.encode()):
-        raise APIError(403, "KV transfer is an internal replica-to-replica API; API and tenant keys cannot use it.",
-                       code="permission_denied", type_="invalid_request_error")
+    await require_api_key(request)
+    if state.gateway is not None:
+        await state.gateway.authenticate(request.headers)
+    raise APIError(403, "KV transfer is an internal replica-to-replica API; API and tenant keys cannot use it.",
+                   code="permission_denied", type_="invalid_request_error")
 
 
 async def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerState:
     """The server state for the transfer credential (401/403 before anything is said about the role)."""
     state: ServerState = request.app.state.ferry
-    if state.config.kv_transfer_key is None:
-        raise APIError(404, "KV transfer is off on this replica.", code="not_found", type_="invalid_request_error")
-    check_transfer_key(request, state.config.kv_transfer_key)
+    await check_transfer_key(request, state)
     if state.config.kv_role not in roles:
         raise APIError(404, f"KV {what} is off on this replica: start it with --kv-role {' or '.join(roles)}.",
                        code="not_found", type_="invalid_request_error")

@@ -73,8 +73,8 @@ def test_a_4xx_is_the_answer_not_retried_not_counted(status, stream):
     registry.check_invariants()
 
 
-def test_a_4xx_keeps_the_failure_count_and_a_5xx_still_counts():
-    answers = [500, 400, 400, 500, 500]
+def test_a_4xx_keeps_the_failure_count_and_a_503_still_counts():
+    answers = [503, 400, 400, 503, 503]
 
     def handler(request):
         status = answers.pop(0)
@@ -96,7 +96,7 @@ def test_a_4xx_keeps_the_failure_count_and_a_5xx_still_counts():
         await client.aclose()
         return seen
 
-    # 500 → counted (the only replica: 502); 400s neither count nor reset; the next 500 makes two.
+    # 503 → counted (the only replica: 502); 400s neither count nor reset; the next 503 makes two.
     assert asyncio.run(run()) == [502, 1, 400, 1, 400, 1, 502, 2]
     assert rep.breaker.state is BreakerState.CLOSED
 
@@ -151,6 +151,53 @@ def test_an_in_band_engine_error_after_the_first_token_counts_toward_the_breaker
     out, settled = asyncio.run(_relay_stream(registry, dispatcher, client))
     assert b"engine died" in out[-2] and settled[0][0] == 503
     assert registry.replicas()[0].breaker.consecutive_failures == 1
+
+
+@pytest.mark.parametrize("status", [500, 501, 505])
+def test_a_500_is_retried_elsewhere_but_never_ejects_a_replica(status):
+    """A request whose content makes replicas fail (500): retried within the budget, but one tenant
+    repeating it must not eject the replicas everyone else is using."""
+    def handler(request):
+        return httpx.Response(status, json={"error": {"message": "boom", "type": "server_error", "param": None,
+                                                      "code": None}})
+
+    registry, dispatcher, client = world(handler, breaker_failures=2)
+
+    async def run():
+        for _ in range(6):
+            with pytest.raises(Exception):
+                await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), False)
+        await client.aclose()
+
+    asyncio.run(run())
+    for rep in registry.replicas():
+        assert rep.breaker.state is BreakerState.CLOSED and rep.breaker.consecutive_failures == 0
+        rep.breaker.check_invariants()
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_a_502_503_504_counts_toward_the_breaker(status):
+    registry, dispatcher, client = world(lambda request: httpx.Response(status), ("http://a",), breaker_failures=2)
+
+    async def run():
+        for _ in range(2):
+            with pytest.raises(Exception):
+                await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), False)
+        await client.aclose()
+
+    asyncio.run(run())
+    assert registry.replicas()[0].breaker.state is BreakerState.OPEN
+
+
+def test_an_in_band_server_error_that_is_not_engine_death_is_not_counted():
+    boom = {"error": {"message": "output could not be shaped", "type": "server_error", "param": None, "code": None}}
+
+    def handler(request):
+        return httpx.Response(200, content=sse(ROLE, TOKEN, boom, "[DONE]"), headers=SSE)
+
+    registry, dispatcher, client = world(handler, ("http://a",))
+    out, settled = asyncio.run(_relay_stream(registry, dispatcher, client))
+    assert settled[0][0] == 500 and registry.replicas()[0].breaker.consecutive_failures == 0
 
 
 def scripted_fleet(monkeypatch, chat_answer) -> TestClient:

@@ -228,7 +228,7 @@ def test_sse_event_parsing():
     ev = _parse(['data: {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}'])
     assert ev.tokens == 1 and not ev.done and ev.usage is None and ev.raw.endswith(b"\n\n")
     usage = _parse(['data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}'])
-    assert usage.usage == {"prompt_tokens": 3, "completion_tokens": 4} and usage.tokens == 0
+    assert usage.usage == {"prompt_tokens": 3, "completion_tokens": 4, "cached_tokens": 0} and usage.tokens == 0
     assert _parse(["data: [DONE]"]).done
     err = _parse(['data: {"error": {"message": "boom", "code": "engine_dead"}}'])
     assert err.error["code"] == "engine_dead"

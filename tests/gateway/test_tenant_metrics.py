@@ -67,7 +67,7 @@ def test_relayed_stream_feeds_the_tenant_histograms_the_span_and_the_forwarded_t
                                       RouteContext(5, 16), stream=True)
         obs.replica(d.replica.url)
 
-        async def settle(status, prompt, completion):
+        async def settle(status, prompt, completion, cached=0):
             obs.end(status, prompt, completion)
 
         from ferrylm.router.relay import StreamRelay
