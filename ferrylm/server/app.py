@@ -42,6 +42,7 @@ from ferrylm.http.protocol import (
     VersionResponse,
 )
 from ferrylm.http.responses_protocol import ResponsesRequest, as_chat_request, in_responses_terms
+from ferrylm.http.safe_json import SafeJSONResponse
 from ferrylm.observability.dashboard.routes import dashboard_router
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
@@ -129,7 +130,7 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
         await gatekeeping.finish(state, admission, status, fanout, started)
         if trace is not None:
             trace.end(status, fanout)
-    return JSONResponse(shaper(ctx, fanout, finals).model_dump(), headers=headers)
+    return SafeJSONResponse(shaper(ctx, fanout, finals), headers=headers)
 
 
 async def _chat_inputs(engine: EngineClient, req: ChatCompletionRequest, what: str

@@ -10,13 +10,13 @@ Output items: one `message` with an `output_text` part (when there is text), the
 from __future__ import annotations
 
 import itertools
-import json
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ferrylm.http import safe_json
 from ferrylm.http.protocol import ToolCall
 from ferrylm.http.responses_protocol import ResponsesRequest
 from ferrylm.outputs import FinishReason, RequestOutput
@@ -113,7 +113,7 @@ async def _events(ctx: ResponseContext, fanout: Fanout, echo: dict) -> AsyncGene
     seq = itertools.count()
 
     def event(kind: str, **fields: Any) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **fields})}\n\n"
+        return f"event: {kind}\ndata: {safe_json.dumps({'type': kind, 'sequence_number': next(seq), **fields})}\n\n"
 
     yield event("response.created", response=_response(ctx, echo, "in_progress", []))
     yield event("response.in_progress", response=_response(ctx, echo, "in_progress", []))

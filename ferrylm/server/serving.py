@@ -7,7 +7,6 @@ finish_reason, the usage chunk when asked, then `data: [DONE]`.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -17,6 +16,7 @@ from typing import cast
 from pydantic import BaseModel
 
 from ferrylm.engine.client import EngineDeadError
+from ferrylm.http import safe_json
 from ferrylm.http.errors import APIError
 from ferrylm.http.protocol import (
     AssistantMessage,
@@ -60,8 +60,8 @@ class ResponseContext:
 
 
 def sse(event: BaseModel | dict) -> str:
-    body = event.model_dump_json() if isinstance(event, BaseModel) else json.dumps(event)
-    return f"data: {body}\n\n"
+    """One SSE event; always strict JSON in valid UTF-8, whatever the model emitted (safe_json)."""
+    return f"data: {safe_json.dumps(event)}\n\n"
 
 
 def usage(fanout: Fanout, finals: list[RequestOutput]) -> UsageInfo:

@@ -35,54 +35,98 @@ class ToolPlan:
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar a forced choice generates under (param "tools": a schema that cannot compile
-        is the tools' fault)."""
+        is the tools' fault). `required` allows one call unless `parallel_tool_calls`, then at most
+        MAX_PARALLEL_CALLS (a model repeating its call stops there instead of at max_tokens)."""
         if self.mode == "named":
             assert self.named is not None
             return StructuredOutputsParams(json=json.dumps(self.schemas[self.named]), param="tools")
         if self.mode == "required":
             call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                                "required": ["name", "arguments"]} for name, schema in self.schemas.items()]}
-            array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
-            if not self.parallel:
-                array["maxItems"] = 1
+            array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1,
+                                     "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
             return StructuredOutputsParams(json=json.dumps(array), param="tools")
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished output; text that holds no valid call stays content."""
+        """(content, tool calls) of a finished output, whatever the model emitted: markup that is not
+        a valid call (a name that is not a declared tool, arguments that are not an object, broken or
+        too deeply nested JSON) stays plain content in `auto`, as vLLM's parsers do. A forced choice
+        never puts its JSON in content; cut off at max_tokens, it keeps the calls completed so far."""
         if self.mode == "named":
             assert self.named is not None
-            calls = [_call(self.named, text)] if _is_json(text) else []
-            return (None, calls) if calls else (text, [])
+            value = _loads(text)
+            arguments = _arguments(value) if isinstance(value, dict) else None
+            return None, [_call(self.named, arguments)] if arguments is not None else []
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            calls = [_call(item["name"], json.dumps(item["arguments"], ensure_ascii=False)) for item in items
-                     if isinstance(item, dict) and item.get("name") in self.schemas and "arguments" in item]
-            return (None, calls) if calls else (text, [])
+            calls = [c for c in (self._valid_call(item) for item in _complete_items(text)) if c is not None]
+            return None, calls[:MAX_PARALLEL_CALLS if self.parallel else 1]
         calls = []
         for block in _BLOCK.findall(text):
-            try:
-                item = json.loads(block)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(item, dict) and item.get("name") in self.schemas:
-                arguments = item.get("arguments", item.get("parameters", {}))
-                calls.append(_call(item["name"], json.dumps(arguments, ensure_ascii=False)))
+            call = self._valid_call(_loads(block), auto=True)
+            if call is not None:
+                calls.append(call)
         if not calls:
             return text, []
         content = text[:text.index(CALL_OPEN)].strip()
         return content or None, calls if self.parallel else calls[:1]
 
+    def _valid_call(self, item: Any, auto: bool = False) -> ToolCall | None:
+        """A ToolCall if `item` is {"name": <a declared tool>, "arguments": {...}} (in `auto` the
+        generic prompt's "parameters" is read too, and no arguments mean {})."""
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in self.schemas:
+            return None
+        value = item.get("arguments", item.get("parameters", {})) if auto else item.get("arguments")
+        arguments = _arguments(value) if isinstance(value, dict) else None
+        return _call(item["name"], arguments) if arguments is not None else None
 
-def _is_json(text: str) -> bool:
+
+MAX_PARALLEL_CALLS = 8  # the most calls one `required` choice may make with parallel_tool_calls
+
+
+def _loads(text: str) -> Any:
+    """The JSON value of `text`, or None for anything that is not one (nesting too deep included)."""
     try:
-        json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return True
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _arguments(value: dict) -> str | None:
+    """`value` as the arguments string of a call, strict JSON in valid UTF-8; None (not a call) for
+    what strict JSON cannot hold: NaN or infinity, or a lone surrogate the model wrote as an escape."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+        return text
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete items of a JSON array, even if the array itself was cut off (max_tokens)."""
+    decoder, items = json.JSONDecoder(), list[Any]()
+    i = _skip_space(text, 0)
+    if not text.startswith("[", i):
+        return []
+    i += 1
+    while True:
+        i = _skip_space(text, i)
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return items
+        items.append(item)
+        i = _skip_space(text, i)
+        if not text.startswith(",", i):
+            return items
+        i += 1
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    return i
 
 
 def _call(name: str, arguments: str) -> ToolCall:
@@ -139,11 +183,14 @@ class ToolStream:
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet streamed, calls) once the choice finished."""
-        _, calls = self.plan.parse(self.text)
+        """(content not yet streamed, calls) once the choice finished: what `parse` makes of the
+        whole text, less what was streamed already (a forced choice streams and returns no content)."""
+        content, calls = self.plan.parse(self.text)
+        if self.plan.mode != "auto":
+            return "", calls
         if not calls:
             return self.text[self.sent:], []
-        end = self.text.find(CALL_OPEN) if self.plan.mode == "auto" else 0
+        end = self.text.find(CALL_OPEN)
         return self.text[self.sent:max(end, self.sent)].rstrip(), calls
 
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from ferrylm.http.errors import APIError
 from ferrylm.load_report import LoadReport
 from ferrylm.router import app as gateway_app
 from ferrylm.router.breaker import BreakerState
@@ -165,7 +166,7 @@ def test_a_500_is_retried_elsewhere_but_never_ejects_a_replica(status):
 
     async def run():
         for _ in range(6):
-            with pytest.raises(Exception):
+            with pytest.raises(APIError):
                 await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), False)
         await client.aclose()
 
@@ -181,7 +182,7 @@ def test_a_502_503_504_counts_toward_the_breaker(status):
 
     async def run():
         for _ in range(2):
-            with pytest.raises(Exception):
+            with pytest.raises(APIError):
                 await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), False)
         await client.aclose()
 

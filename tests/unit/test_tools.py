@@ -36,7 +36,7 @@ def test_forced_modes_parse_their_json() -> None:
     named = ToolPlan("named", SCHEMAS, True, named="get_weather")
     content, [call] = named.parse('{"city": "Oslo"}')
     assert content is None and call.function.name == "get_weather" and call.function.arguments == '{"city": "Oslo"}'
-    assert named.parse('{"city": "Os') == ('{"city": "Os', [])  # cut off: no call
+    assert named.parse('{"city": "Os') == (None, [])  # cut off: no call, and its JSON is not content
     required = ToolPlan("required", SCHEMAS, True)
     _, calls = required.parse('[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]')
     assert [c.function.name for c in calls] == ["add", "get_weather"]
