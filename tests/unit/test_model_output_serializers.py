@@ -93,7 +93,8 @@ async def _run(kind: str, plan_name: str, deltas: list[str], reason: FinishReaso
         if plan is not None and plan.mode != "auto":
             assert content == ""
     elif kind == "chat":
-        body = _strict(SafeJSONResponse(serving.chat_response(ctx, fanout, await serving.collect(fanout))).body.decode())
+        shaped = serving.chat_response(ctx, fanout, await serving.collect(fanout))
+        body = _strict(SafeJSONResponse(shaped).body.decode())
         message = body["choices"][0]["message"]
         _check_calls(message.get("tool_calls") or [], plan)
         if plan is not None and plan.mode != "auto":
