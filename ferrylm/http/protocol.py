@@ -26,7 +26,7 @@ class StreamOptions(BaseModel):
 class JsonSchemaFormat(BaseModel):
     """OpenAI's response_format.json_schema: the schema is enforced whether or not `strict` is set."""
 
-    name: str = Field("response", max_length=64)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # required, as OpenAI has it
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None

@@ -43,7 +43,7 @@ RESPONSES_PARAMS = {"response_format": "text.format", "response_format.json_sche
 
 class TextFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
-    name: str = Field("response", max_length=64)
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # json_schema: required
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -141,6 +141,8 @@ def _response_format(request: ResponsesRequest) -> ResponseFormat | None:
         return ResponseFormat(type="json_object")
     if fmt.schema_ is None:
         raise invalid("'text.format' of type 'json_schema' needs 'schema'.", "text.format.schema")
+    if fmt.name is None:
+        raise invalid("Missing required parameter: 'text.format.name'.", "text.format.name")
     return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat.model_validate(
         {"name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}))
 

@@ -450,7 +450,7 @@ def build_gateway_app(config: GatewayServerConfig, span_exporter: Any = None) ->
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard)
-    app.add_api_route("/v1/kv/{rest:path}", kv_refused, methods=["GET", "POST", "PUT", "DELETE"])
+    app.add_api_route("/v1/kv/{rest:path}", kv_refused, methods=["POST"], include_in_schema=False)
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/version", version, methods=["GET"], response_model=VersionResponse)

@@ -6,6 +6,8 @@ Everything a user can get wrong is caught here and answered with a 400 before th
 
 from __future__ import annotations
 
+import json
+
 from ferrylm.http.errors import APIError, invalid
 from ferrylm.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from ferrylm.request_limits import ContextLengthExceeded, check_context_window, check_token_ids
@@ -87,10 +89,23 @@ def chat_params(request: ChatCompletionRequest, vocab_size: int) -> tuple[Sampli
 
 
 def check_tool_messages(request: ChatCompletionRequest) -> None:
-    """A `tool` message answers a call: it needs the call's id (OpenAI's rule)."""
+    """OpenAI's rules for the calls in a conversation: an assistant call's `arguments` is JSON text,
+    and a `tool` message answers a call made earlier in the conversation, named by its id."""
+    called: set[str] = set()
     for i, message in enumerate(request.messages):
+        for j, call in enumerate(message.tool_calls or []):
+            try:
+                json.loads(call.function.arguments)
+            except (ValueError, RecursionError):
+                raise invalid(f"Invalid 'messages[{i}].tool_calls[{j}].function.arguments': not valid JSON text.",
+                              f"messages.{i}.tool_calls.{j}.function.arguments") from None
+            called.add(call.id)
         if message.role == "tool" and not message.tool_call_id:
             raise invalid(f"Invalid 'messages[{i}]': a 'tool' message needs 'tool_call_id'.",
+                          f"messages.{i}.tool_call_id")
+        if message.role == "tool" and message.tool_call_id not in called:
+            raise invalid(f"Invalid parameter: messages with role 'tool' must be a response to a preceding message "
+                          f"with 'tool_calls'; 'messages[{i}].tool_call_id' {message.tool_call_id!r} matches none.",
                           f"messages.{i}.tool_call_id")
 
 

@@ -128,6 +128,17 @@ def test_streamed_tool_call_deltas_reassemble(client, tool_choice) -> None:
       "tool_choice": "required"}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "18"}]}, "messages.1.tool_call_id"),
+    # OpenAI's own 400s: a result for a call never made, arguments that are not JSON text, a nameless schema
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_x", "content": "18"}]},
+     "messages.1.tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Oslo"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18"}]}, "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
 ])
 def test_tool_requests_that_cannot_be_honoured_are_400(api_server: ServerProcess, extra: dict, param: str) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8} | extra
