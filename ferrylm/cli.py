@@ -39,6 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "to host memory and back), auto (per request, whichever the cost model says is cheaper)")
     from ferrylm.config import EngineConfig
 
+    p.add_argument("--grammar-compile-timeout", type=float, default=EngineConfig.grammar_compile_timeout_s,
+                   help="seconds one structured-output constraint may take to compile (in a worker process, "
+                        "killed past it); the request then gets a 400")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineConfig.enforce_eager,
                    help="run every step eagerly: no compiled decode step (CPU; compiled at start-up, cached "
                         "under $FERRYLM_CACHE_DIR) and no CUDA graphs")
@@ -67,7 +70,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         enforce_eager=args.enforce_eager, speculative=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, grammar_compile_timeout_s=args.grammar_compile_timeout,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype,

@@ -208,6 +208,7 @@ class EngineConfig:
     enforce_eager: bool = False  # --enforce-eager: no compiled decode step (CPU) and no CUDA graphs
     speculative: SpeculativeConfig | None = None  # --speculative-config
     tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks holding a shard of every layer
+    grammar_compile_timeout_s: float = 5.0  # --grammar-compile-timeout: a structured-output compile past it is a 400
 
     def __post_init__(self) -> None:
         if self.quantization is not None:
@@ -215,6 +216,8 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be an integer >= 1, not {self.tensor_parallel_size!r}")
         check_speculative_with_tp(self.speculative, self.tensor_parallel_size)
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError("--grammar-compile-timeout must be positive")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space == 0:
             raise ConfigError("--preemption-mode swap needs host memory for the swapped blocks: --swap-space > 0")
 

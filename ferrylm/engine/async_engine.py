@@ -218,7 +218,12 @@ class AsyncEngine:
         grammars = self.engine.grammars
         if grammars is None:
             raise RequestRejected("structured output is not available on this engine", spec.param)
-        await asyncio.wrap_future(grammars.submit(spec))
+        future = grammars.submit(spec, waiting=True)
+        try:
+            await asyncio.shield(asyncio.wrap_future(future))  # never cancel the shared compile itself
+        except asyncio.CancelledError:  # the client left: a compile nobody else waits for is stopped
+            grammars.release(spec)
+            raise
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

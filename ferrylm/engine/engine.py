@@ -69,10 +69,11 @@ class Engine:
         self.tp_ranks: Any = None  # tp_worker.SpawnedRanks when this engine spawned tensor-parallel ranks
 
     def _default_grammars(self, tokenizer: Tokenizer) -> Any:
-        from ferrylm.model.structured_output import GrammarCompiler  # imports no torch until used
+        from ferrylm.model.structured_output import GrammarCompiler, GrammarLimits  # no torch until used
 
         hf = getattr(tokenizer, "hf", None)
-        return GrammarCompiler(hf, self.vocab_size, tuple(tokenizer.eos_token_ids)) if hf is not None else None
+        limits = GrammarLimits(compile_timeout_s=self.config.grammar_compile_timeout_s)
+        return GrammarCompiler(hf, self.vocab_size, tuple(tokenizer.eos_token_ids), limits) if hf is not None else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -118,7 +119,9 @@ class Engine:
         return self.tp_ranks.dead() if self.tp_ranks is not None else None
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (a no-op without them)."""
+        """Stop the grammar compile workers and the other tensor-parallel ranks."""
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if getattr(self.runner, "tp", None) is not None:
             try:
                 self.runner.shutdown()

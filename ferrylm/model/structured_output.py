@@ -2,9 +2,10 @@
 grammar off the engine thread, one matcher per request, and each step's logits masked to the tokens
 the grammar allows next.
 
-Compiling runs on one worker thread with a cache keyed by the constraint, so an uncached schema never
-stalls the batch (the scheduler admits a request once its future is done). xgrammar is imported on
-the first structured request, not at start-up: the import alone takes seconds.
+Compiling runs in bounded worker processes (grammar_worker.py) under a wall-clock budget, with a cache
+keyed by the constraint, so an uncached schema never stalls the batch (the scheduler admits a request
+once its future is done) and a compile bomb is killed instead of holding the compiler. xgrammar is
+imported on the first structured request, not at start-up: the import alone takes seconds.
 """
 
 from __future__ import annotations
@@ -16,19 +17,15 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+from ferrylm.model.grammar_worker import CompileCancelled, CompileTimeout, CompileWorker, tokenizer_info_json
+from ferrylm.model.schema_policy import SchemaLimits, check_schema
 from ferrylm.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger("ferrylm.structured_output")
 
-# JSON Schema keywords xgrammar accepts but does not enforce: a schema using one is refused (400)
-# rather than answered with output that may break it. uniqueItems is refused only when true.
-_UNENFORCED = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "contains",
-               "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name → subschema
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -38,35 +35,6 @@ class StructuredOutputError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
-
-
-def check_schema(schema: Any, where: str = "#") -> None:
-    """Raise for the first keyword the grammar would not enforce (see _UNENFORCED) or an external $ref."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            check_schema(item, f"{where}/{i}")
-        return
-    if not isinstance(schema, dict):
-        return
-    for keyword in _UNENFORCED:
-        if keyword in schema:
-            raise ValueError(f"the JSON schema keyword '{keyword}' (at {where}) is not supported by the "
-                             "structured output backend")
-    if schema.get("uniqueItems") is True:
-        raise ValueError(f"'uniqueItems': true (at {where}) is not supported by the structured output backend")
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        raise ValueError(f"only local '$ref's (#/...) are supported; {ref!r} at {where} is not")
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                check_schema(sub, f"{where}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            check_schema(schema[key], f"{where}/{key}")
-    for key in _SCHEMA_ONE:
-        if isinstance(schema.get(key), (dict, list)):
-            check_schema(schema[key], f"{where}/{key}")
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
@@ -79,84 +47,179 @@ def _clean(error: Exception) -> str:
     return _XGRAMMAR_PREFIX.sub("", str(error).strip()).strip()
 
 
+@dataclass(frozen=True)
+class GrammarLimits:
+    """How much compiling one tenant's constraint may cost everyone: a wall-clock budget per compile
+    (past it the compile is killed and the request gets a 400), compiles running at once (each in
+    its own low-priority process), the compiled-grammar cache in bytes, and the schema limits."""
+
+    compile_timeout_s: float = 5.0  # --grammar-compile-timeout
+    max_concurrent: int = 2
+    max_cache_bytes: int = 256 << 20
+    max_cached: int = 256
+    schema: SchemaLimits = SchemaLimits()
+
+
+class _Job:
+    """One constraint's compile: its future, and the waiters that still want it."""
+
+    def __init__(self, spec: StructuredOutputsParams):
+        self.spec, self.future, self.waiters, self.size = spec, Future(), 0, 0
+
+    def cancelled(self) -> bool:
+        return self.waiters <= 0 and not self.future.done()
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer on a worker thread; the futures are cached (LRU).
+    """Compiles constraints for one tokenizer in worker processes (grammar_worker.py) under a budget;
+    the futures are cached (LRU, bounded in bytes). `submit` is thread-safe: the server calls it
+    from the event loop to answer a bad schema with a 400 before the request reaches the engine, and
+    the engine calls it again (a cache hit). `release` says a waiter left; a compile nobody waits
+    for is stopped."""
 
-    `submit` is thread-safe: the server calls it from the event loop to answer a bad schema with a
-    400 before the request reaches the engine, and the engine calls it again (a cache hit)."""
-
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], max_cached: int = 256):
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 limits: GrammarLimits = GrammarLimits()):
         self._hf_tokenizer = hf_tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
-        self._max_cached = max_cached
+        self.limits = limits
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cache: OrderedDict[tuple, _Job] = OrderedDict()
         self._executor: ThreadPoolExecutor | None = None
-        self._compiler: Any = None  # xgrammar.GrammarCompiler, built on the worker at first use
+        self._info: Any = None  # xgrammar.TokenizerInfo, built at the first compile
+        self._info_json = ""
+        self._idle: list[CompileWorker] = []
         self.compile_seconds: dict[tuple, float] = {}  # per cached key: cold compile time (benchmarks)
 
-    def submit(self, spec: StructuredOutputsParams) -> Future:
-        """The compiled grammar of `spec` (a Future; its exception is a StructuredOutputError)."""
+    def submit(self, spec: StructuredOutputsParams, waiting: bool = False) -> Future:
+        """The compiled grammar of `spec` (a Future; its exception is a StructuredOutputError).
+        `waiting`: the caller will `release` it when it stops waiting (a client that may leave)."""
         key = spec.key()
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None and not future.cancelled():
+            job = self._cache.get(key)
+            if job is not None and not job.future.cancelled():
                 self._cache.move_to_end(key)
-                return future
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="ferrylm-grammar")
-            future = self._executor.submit(self._compile, spec)
-            self._cache[key] = future
-            while len(self._cache) > self._max_cached:
-                old, _ = self._cache.popitem(last=False)
-                self.compile_seconds.pop(old, None)
-            return future
+                job.waiters += 1 if waiting else 1 << 20  # the engine's own request never leaves early
+            else:
+                job = self._cache[key] = _Job(spec)
+                job.waiters += 1 if waiting else 1 << 20
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self.limits.max_concurrent,
+                                                        thread_name_prefix="ferrylm-grammar")
+                self._executor.submit(self._run, job)
+                self._evict()
+            return job.future
 
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
+    def release(self, spec: StructuredOutputsParams) -> None:
+        """A `submit(waiting=True)` caller stopped waiting (its client left)."""
+        with self._lock:
+            job = self._cache.get(spec.key())
+            if job is not None:
+                job.waiters -= 1
+                if job.cancelled():
+                    self._cache.pop(spec.key(), None)
+
+    def _evict(self) -> None:
+        """Oldest entries out while over the count or byte bound (caller holds the lock)."""
+        while len(self._cache) > 1 and (len(self._cache) > self.limits.max_cached or
+                                        sum(j.size for j in self._cache.values()) > self.limits.max_cache_bytes):
+            old, _ = self._cache.popitem(last=False)
+            self.compile_seconds.pop(old, None)
+
+    def _run(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
         started = time.perf_counter()
         try:
-            compiled = self._compile_kind(self._xgrammar_compiler(), spec)
+            compiled = self._compile(job)
+            with self._lock:
+                job.size = int(compiled.memory_size_bytes)
+                self.compile_seconds[job.spec.key()] = time.perf_counter() - started
+                self._evict()
+        except StructuredOutputError as e:
+            job.future.set_exception(e)
+            return
+        except BaseException as e:  # noqa: BLE001 - a future must always complete
+            log.exception("grammar compile failed")
+            job.future.set_exception(StructuredOutputError(f"Invalid '{job.spec.param}': {e}", job.spec.param))
+            return
+        job.future.set_result(compiled)
+
+    def _compile(self, job: _Job) -> Any:
+        spec, param = job.spec, job.spec.param
+        try:
+            kind, payload = self._checked(spec)
+            import xgrammar
+
+            info = self._tokenizer_info(xgrammar)
+            text = self._on_worker(kind, payload, not spec.disable_any_whitespace, job)
+            return xgrammar.CompiledGrammar.deserialize_json(text, info)
+        except CompileTimeout:
+            raise StructuredOutputError(f"Invalid '{param}': compiling it took longer than the "
+                                        f"{self.limits.compile_timeout_s:g} s budget; simplify the constraint",
+                                        param) from None
+        except CompileCancelled:
+            raise StructuredOutputError(f"'{param}': the compile was stopped (nobody waits for it)", param) from None
         except (RuntimeError, ValueError) as e:
-            raise StructuredOutputError(f"Invalid '{spec.param}': {_clean(e)}", spec.param) from None
+            raise StructuredOutputError(f"Invalid '{param}': {_clean(e)}", param) from None
         except ImportError:
             raise StructuredOutputError("structured output needs xgrammar (pip install 'ferrylm[server]')",
-                                        spec.param) from None
-        self.compile_seconds[spec.key()] = time.perf_counter() - started
-        return compiled
+                                        param) from None
 
-    @staticmethod
-    def _compile_kind(compiler: Any, spec: StructuredOutputsParams) -> Any:
+    def _on_worker(self, kind: str, payload: str, any_whitespace: bool, job: _Job) -> str:
+        """Compile on an idle worker process (a new one if none); a worker that was killed is dropped."""
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        worker = worker or CompileWorker(self._info_json)
+        try:
+            return worker.compile(kind, payload, any_whitespace, self.limits.compile_timeout_s, job.cancelled)
+        finally:
+            if worker.alive:
+                with self._lock:
+                    self._idle.append(worker)
+
+    def _checked(self, spec: StructuredOutputsParams) -> tuple[str, str]:
+        """(kind, payload) for the worker, after the limits and the keyword policy (ValueError)."""
+        limits = self.limits.schema
         if spec.json is not None:
             try:
                 schema = json.loads(spec.json)
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-            check_schema(schema)
-            return compiler.compile_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
-        if spec.json_object:  # OpenAI's json_object: any JSON object (not any JSON value)
-            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                                any_whitespace=not spec.disable_any_whitespace)
+            check_schema(schema, limits)
+            return "json", spec.json
+        if spec.json_object:
+            return "json_object", ""
         if spec.regex is not None:
-            return compiler.compile_regex(spec.regex)
+            if len(spec.regex.encode()) > limits.max_regex_bytes:
+                raise ValueError(f"the regex is longer than {limits.max_regex_bytes} bytes")
+            return "regex", spec.regex
         if spec.choice is not None:
-            return compiler.compile_grammar(choice_grammar(spec.choice))
-        return compiler.compile_grammar(spec.grammar)
+            if len(spec.choice) > limits.max_choices or sum(map(len, spec.choice)) > limits.max_string_chars:
+                raise ValueError(f"more than {limits.max_choices} choices or {limits.max_string_chars} characters")
+            return "grammar", choice_grammar(spec.choice)
+        assert spec.grammar is not None
+        if len(spec.grammar.encode()) > limits.max_grammar_bytes:
+            raise ValueError(f"the grammar is longer than {limits.max_grammar_bytes} bytes")
+        return "grammar", spec.grammar
 
-    def _xgrammar_compiler(self) -> Any:
-        if self._compiler is None:  # only the one worker thread gets here
-            started = time.perf_counter()
-            import xgrammar
-
-            info = xgrammar.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self._vocab_size,
-                                                           stop_token_ids=self._stop_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            log.info("structured output backend (xgrammar) ready in %.1f s", time.perf_counter() - started)
-        return self._compiler
+    def _tokenizer_info(self, xgrammar: Any) -> Any:
+        with self._lock:
+            if self._info is None:
+                started = time.perf_counter()
+                self._info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._hf_tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids)
+                self._info_json = tokenizer_info_json(self._info)
+                log.info("structured output backend (xgrammar) ready in %.1f s", time.perf_counter() - started)
+            return self._info
 
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.kill()
 
 
 def new_matcher(compiled: Future) -> Any:

@@ -133,7 +133,7 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
     return SafeJSONResponse(shaper(ctx, fanout, finals), headers=headers)
 
 
-async def _chat_inputs(engine: EngineClient, req: ChatCompletionRequest, what: str
+async def _chat_inputs(request: Request, engine: EngineClient, req: ChatCompletionRequest, what: str
                        ) -> tuple[SamplingParams, ToolPlan | None, list[int]]:
     """A chat request's SamplingParams, tool plan and prompt ids, each checked (400s): the fields,
     the context window (`what` names the field the prompt came from) and the output constraint."""
@@ -142,7 +142,7 @@ async def _chat_inputs(engine: EngineClient, req: ChatCompletionRequest, what: s
     prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
     inputs.check_fits(prompt, params.max_tokens, core.max_model_len, what)
     if params.structured_outputs is not None:
-        await structured.check_compiles(engine, params.structured_outputs)
+        await structured.check_compiles(engine, params.structured_outputs, request)
     return params, tool_plan, prompt
 
 
@@ -155,7 +155,7 @@ async def chat_completions(request: Request) -> Response:
     model = state.resolve_model(req.model)
     core = engine.model_info
     check_num_sequences(1, req.n or 1, state.config.max_sequences_per_request)
-    params, tool_plan, prompt = await _chat_inputs(engine, req, "messages")
+    params, tool_plan, prompt = await _chat_inputs(request, engine, req, "messages")
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage), tools=tool_plan,
                           timings=bool(req.timings))
@@ -177,7 +177,7 @@ async def completions(request: Request) -> Response:
     for prompt in prompt_ids:
         inputs.check_fits(prompt, params.max_tokens, core.max_model_len, "prompt")
     if params.structured_outputs is not None:
-        await structured.check_compiles(engine, params.structured_outputs)
+        await structured.check_compiles(engine, params.structured_outputs, request)
     echo = [core.tokenizer.decode(p, skip_special_tokens=False) if not isinstance(req.prompt, str) else req.prompt
             for p in prompt_ids] if req.echo else None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
@@ -198,7 +198,7 @@ async def create_response(request: Request) -> Response:
     model = state.resolve_model(req.model)
     core = engine.model_info
     try:
-        params, tool_plan, prompt = await _chat_inputs(engine, req, "input")
+        params, tool_plan, prompt = await _chat_inputs(request, engine, req, "input")
     except APIError as e:  # name the Responses field, not the chat one it became
         raise in_responses_terms(e) from None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan)

@@ -4,10 +4,12 @@ the backend cannot compile or enforce into a 400 naming the field, before the en
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
+from starlette.requests import Request
+
 from ferrylm.engine.client import EngineClient
+from ferrylm.http.disconnect import ClientDisconnected, cancel_on_disconnect
 from ferrylm.http.errors import APIError, invalid
 from ferrylm.http.protocol import SamplingRequest
 from ferrylm.sampling_params import SamplingParamsError, StructuredOutputsParams
@@ -71,12 +73,18 @@ def from_request(request: SamplingRequest) -> StructuredOutputsParams | None:
     return found[0] if found else None
 
 
-async def check_compiles(engine: EngineClient, spec: StructuredOutputsParams) -> None:
-    """Compile now (off the event loop and the engine thread; cached), so a constraint the backend
-    rejects is a 400 naming its field rather than a failed request later."""
+async def check_compiles(engine: EngineClient, spec: StructuredOutputsParams,
+                         request: Request | None = None) -> None:
+    """Compile now (in the compiler's worker processes, under its budget; cached), so a constraint the
+    backend rejects, or that compiles for too long, is a 400 naming its field rather than a failed
+    request later. A client that leaves meanwhile stops the compile if nobody else waits for it."""
     try:
-        await asyncio.shield(engine.prepare_structured_output(spec))
+        work = engine.prepare_structured_output(spec)
+        await (cancel_on_disconnect(request, work) if request is not None else work)
     except APIError:
         raise
+    except ClientDisconnected:
+        raise APIError(499, "The client closed the request.", code="client_disconnected",
+                       type_="invalid_request_error") from None
     except (ValueError, RuntimeError) as e:  # StructuredOutputError / RequestRejected carry the param
         raise invalid(str(e), getattr(e, "param", None) or spec.param) from None

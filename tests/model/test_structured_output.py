@@ -13,7 +13,8 @@ from ferrylm.config import SchedulerConfig
 from ferrylm.engine.block_manager import BlockManager
 from ferrylm.engine.request import Request
 from ferrylm.engine.scheduler import RequestRejected, Scheduler
-from ferrylm.model.structured_output import StructuredOutputError, check_schema, choice_grammar
+from ferrylm.model.schema_policy import check_schema
+from ferrylm.model.structured_output import StructuredOutputError, choice_grammar
 from ferrylm.outputs import FinishReason
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.sampling_params import StructuredOutputsParams as Spec
@@ -115,3 +116,32 @@ def test_grammar_failing_after_queueing_aborts_only_that_request(llm_fp32) -> No
     finally:
         engine.grammars = real
     engine.scheduler.check_invariants()
+
+
+@requires_smollm2
+def test_a_compile_past_its_budget_is_stopped_and_the_next_one_still_runs() -> None:
+    """The compile runs in a worker process: past the budget it is killed and answered with an error
+    naming the field; a compile nobody waits for any more is stopped; the compiler keeps serving."""
+    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.structured_output import GrammarCompiler, GrammarLimits
+    from ferrylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model("smollm2-135m"))
+    compiler = GrammarCompiler(tok.hf, len(tok.hf), tuple(tok.eos_token_ids), GrammarLimits(compile_timeout_s=30))
+    try:
+        assert compiler.submit(Spec(regex="[a-z]{3}")).result(60) is not None  # the worker is up
+        compiler.limits = GrammarLimits(compile_timeout_s=0.001)
+        slow = {"type": "object", "properties": {
+            f"p{i}": {"type": "string", "pattern": "^[a-z]{2,9}@[a-z]{3,9}\\\\.com$"} for i in range(40)}}
+        with pytest.raises(StructuredOutputError, match="budget") as e:
+            compiler.submit(Spec(json=slow, param="response_format")).result(60)
+        assert e.value.param == "response_format"
+        compiler.limits = GrammarLimits(compile_timeout_s=30)
+        leaving = Spec(json=slow | {"title": "another key"})  # seconds to compile: released long before
+        future = compiler.submit(leaving, waiting=True)
+        compiler.release(leaving)  # the only waiter left
+        with pytest.raises(StructuredOutputError):
+            future.result(60)
+        assert compiler.submit(Spec(choice=("yes", "no"))).result(60) is not None  # a fresh worker serves
+    finally:
+        compiler.shutdown()
