@@ -19,14 +19,14 @@ from typing import Any
 ENFORCED = frozenset({
     "type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
     "minLength", "maxLength", "pattern", "format", "items", "prefixItems", "minItems", "maxItems",
-    "properties", "required", "additionalProperties", "anyOf", "allOf", "$ref", "$defs", "definitions",
-})
+    "properties", "required", "additionalProperties", "anyOf", "$ref", "$defs", "definitions",
+})  # allOf is enforced only as its first branch (measured): accepted with exactly one
 ANNOTATIONS = frozenset({
     "$schema", "$id", "$anchor", "$comment", "$vocabulary", "title", "description", "default", "examples",
     "deprecated", "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "contentSchema",
 })
 DRAFT_2020_12 = ENFORCED | ANNOTATIONS | frozenset({
-    "$dynamicRef", "$dynamicAnchor", "oneOf", "not", "if", "then", "else", "dependentSchemas", "contains",
+    "$dynamicRef", "$dynamicAnchor", "allOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "contains",
     "minContains", "maxContains", "propertyNames", "patternProperties", "unevaluatedItems",
     "unevaluatedProperties", "uniqueItems", "minProperties", "maxProperties", "dependentRequired",
     "dependencies", "additionalItems",  # draft 7's spellings, still sent by older generators
@@ -67,24 +67,25 @@ def check_schema(schema: Any, limits: SchemaLimits = SchemaLimits()) -> None:
     if len(json.dumps(schema)) > limits.max_schema_bytes:
         raise ValueError(f"the JSON schema is larger than {limits.max_schema_bytes} bytes")
     count = _Count()
-    _walk(schema, "#", 0, limits, count)
+    _walk(schema, "#", 0, limits, count, schema)
     if not has_finite_instance(schema):
         raise ValueError("the JSON schema has no finite instance: its recursion (through '$ref') never ends, "
                          "so output could only stop at max_tokens")
 
 
-def _walk(node: Any, where: str, depth: int, limits: SchemaLimits, count: _Count) -> None:
+def _walk(node: Any, where: str, depth: int, limits: SchemaLimits, count: _Count, root: Any) -> None:
     if depth > limits.max_depth:
         raise ValueError(f"the JSON schema nests deeper than {limits.max_depth} levels (at {where})")
     if isinstance(node, list):
         for i, item in enumerate(node):
-            _walk(item, f"{where}/{i}", depth, limits, count)
+            _walk(item, f"{where}/{i}", depth, limits, count, root)
         return
     if not isinstance(node, dict):
         return
     for keyword, value in node.items():
         if keyword in DRAFT_2020_12 and keyword not in ENFORCED | ANNOTATIONS and \
-                value not in _NEUTRAL.get(keyword, ()):
+                value not in _NEUTRAL.get(keyword, ()) and not (keyword == "oneOf" and _discriminated(node, root)) \
+                and not (keyword == "allOf" and isinstance(value, list) and len(value) == 1):
             raise ValueError(f"the JSON schema keyword '{keyword}' (at {where}) is not enforced by the structured "
                              "output backend; remove it rather than get output that may break it")
     ref = node.get("$ref")
@@ -94,13 +95,37 @@ def _walk(node: Any, where: str, depth: int, limits: SchemaLimits, count: _Count
     for key in _SUBSCHEMA_MAPS:
         if isinstance(node.get(key), dict):
             for name, sub in node[key].items():
-                _walk(sub, f"{where}/{key}/{name}", depth + 1, limits, count)
+                _walk(sub, f"{where}/{key}/{name}", depth + 1, limits, count, root)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(node.get(key), list):
-            _walk(node[key], f"{where}/{key}", depth + 1, limits, count)
+            _walk(node[key], f"{where}/{key}", depth + 1, limits, count, root)
     for key in _SUBSCHEMA_ONE:
         if isinstance(node.get(key), (dict, list)):
-            _walk(node[key], f"{where}/{key}", depth + 1, limits, count)
+            _walk(node[key], f"{where}/{key}", depth + 1, limits, count, root)
+
+
+def _discriminated(node: dict, root: Any) -> bool:
+    """A `oneOf` whose branches cannot overlap, as pydantic writes a discriminated union: each branch
+    requires the `discriminator.propertyName` property with its own `const` (or one-value enum), so
+    matching any one branch (what the grammar enforces) is matching exactly one."""
+    branches, disc = node.get("oneOf"), node.get("discriminator")
+    name = disc.get("propertyName") if isinstance(disc, dict) else None
+    if not isinstance(branches, list) or not isinstance(name, str):
+        return False
+    tags = []
+    for branch in branches:
+        ref = branch.get("$ref") if isinstance(branch, dict) else None
+        if isinstance(ref, str):
+            branch = _ref_targets(root).get(ref)
+        if not isinstance(branch, dict) or name not in (branch.get("required") or []):
+            return False
+        prop = (branch.get("properties") or {}).get(name)
+        values = [prop["const"]] if isinstance(prop, dict) and "const" in prop else \
+            prop.get("enum") if isinstance(prop, dict) and isinstance(prop.get("enum"), list) else None
+        if values is None or len(values) != 1:
+            return False
+        tags.append(json.dumps(values[0], sort_keys=True))
+    return len(set(tags)) == len(tags)
 
 
 def _tally(node: dict, where: str, limits: SchemaLimits, count: _Count) -> None:

@@ -10,14 +10,14 @@ import pytest
 
 from ferrylm.model.schema_policy import ENFORCED, SchemaLimits, check_schema, has_finite_instance
 
-NOT_ENFORCED = ["oneOf", "not", "if", "dependentSchemas", "contains", "propertyNames", "patternProperties",
+NOT_ENFORCED = ["allOf", "oneOf", "not", "if", "dependentSchemas", "contains", "propertyNames", "patternProperties",
                 "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties", "dependentRequired",
                 "$dynamicRef", "uniqueItems"]
 
 
 @pytest.mark.parametrize("keyword", NOT_ENFORCED)
 def test_a_keyword_the_backend_does_not_enforce_is_refused_by_name_wherever_it_is(keyword):
-    value = {"minProperties": 2, "maxProperties": 1, "uniqueItems": True}.get(keyword, {})
+    value = {"minProperties": 2, "maxProperties": 1, "uniqueItems": True, "allOf": [{}, {}]}.get(keyword, {})
     nested = {"type": "object", "properties": {"a": {"type": "array", "items": {keyword: value}}}}
     with pytest.raises(ValueError, match=re.escape(f"'{keyword}' (at #/properties/a/items)")):
         check_schema(nested)
@@ -28,7 +28,8 @@ def test_enforced_keywords_annotations_and_unknown_keywords_pass():
                   "properties": {"n": {"type": "integer", "multipleOf": 3, "minimum": 0, "default": 3},
                                  "s": {"type": "string", "pattern": "^a+$", "format": "date", "examples": ["x"]},
                                  "not": {"type": "boolean"}},  # a property named like a keyword
-                  "required": ["n"], "additionalProperties": False, "uniqueItems": False})
+                  "required": ["n"], "additionalProperties": False, "uniqueItems": False,
+                  "allOf": [{"type": "object"}]})
     assert "multipleOf" in ENFORCED
 
 
@@ -66,3 +67,26 @@ def test_recursion_without_a_finite_instance_is_refused():
     assert has_finite_instance(either)
     check_schema(tree)
     check_schema(either)
+
+
+def test_a_pydantic_discriminated_union_is_the_one_oneof_accepted():
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Owner(BaseModel):
+        pet: Cat | Dog = Field(discriminator="kind")
+
+    schema = Owner.model_json_schema()
+    check_schema(schema)
+    overlapping = schema | {"$defs": schema["$defs"] | {"Dog": schema["$defs"]["Cat"]}}
+    with pytest.raises(ValueError, match="'oneOf'"):
+        check_schema(overlapping)
