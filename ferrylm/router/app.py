@@ -16,6 +16,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ferrylm.gateway.auth import check_model
 from ferrylm.gateway.cache_salt import effective_cache_salt
 from ferrylm.gateway.ops_auth import require_credential
 from ferrylm.gateway.reservation import reserved_tokens
@@ -354,6 +355,7 @@ async def _utility(request: Request, model_cls: type[TokenizeRequest] | type[Det
     state.drain.check_admitting()
     dispatcher = state.dispatcher
     assert dispatcher is not None
+    principal = None
     if state.gateway is not None:
         principal = await state.gateway.authenticate(request.headers)
         await state.gateway.charge_request(principal, request.client.host if request.client else None)
@@ -362,6 +364,8 @@ async def _utility(request: Request, model_cls: type[TokenizeRequest] | type[Det
     group = state.registry.resolve(req.model)
     if group is None:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+    if principal is not None:
+        check_model(principal, group.name)  # the tenant's model allowlist, as on generation routes
     request_id = request.state.request_id or new_request_id("tok")
     headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
     d = await dispatcher.dispatch(group, path, body, headers, RouteContext(0, 0), stream=False)

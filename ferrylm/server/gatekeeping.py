@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 
 from ferrylm.engine.client import EngineClient
+from ferrylm.gateway.auth import check_model
 from ferrylm.gateway.cache_salt import effective_cache_salt
 from ferrylm.gateway.policy import Admission
 from ferrylm.gateway.reservation import reserved_tokens
@@ -43,6 +44,14 @@ async def admit(request: Request, state: ServerState, engine: EngineClient, requ
         reserved.output_tokens, engine.stats(), request_id=request_id,
         engine_healthy=engine.is_running, principal=getattr(request.state, "principal", None),
         num_sequences=len(prompts) * params.n, request_charge=getattr(request.state, "request_charge", None))
+
+
+def check_model_allowed(request: Request, model: str) -> None:
+    """403 unless the authenticated tenant may use `model` (routes that name a model but generate
+    nothing: /tokenize, /detokenize)."""
+    principal = getattr(request.state, "principal", None)
+    if principal is not None:
+        check_model(principal, model)
 
 
 def salted(state: ServerState, admission: Admission | None, params: SamplingParams) -> SamplingParams:

@@ -28,7 +28,7 @@ async def tokenize(request: Request) -> TokenizeResponse:
     await gatekeeping.authenticate(request, state)
     info = state.admit().model_info
     req = parse_model(TokenizeRequest, await read_json_body(request, state.config.max_body_bytes))
-    state.resolve_model(req.model)
+    gatekeeping.check_model_allowed(request, state.resolve_model(req.model))
     if (req.prompt is None) == (req.messages is None):
         raise invalid("Send exactly one of 'prompt' (text) or 'messages' (a chat).",
                       "prompt" if req.messages is None else "messages")
@@ -51,7 +51,7 @@ async def detokenize(request: Request) -> DetokenizeResponse:
     await gatekeeping.authenticate(request, state)
     info = state.admit().model_info
     req = parse_model(DetokenizeRequest, await read_json_body(request, state.config.max_body_bytes))
-    state.resolve_model(req.model)
+    gatekeeping.check_model_allowed(request, state.resolve_model(req.model))
     bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise invalid(f"Token id {req.tokens[bad]} at position {bad} is outside the vocabulary "
