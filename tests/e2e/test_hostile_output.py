@@ -51,6 +51,8 @@ def test_forced_hostile_markup_is_plain_content(server, markup):
     assert r.status_code == 200, r.text
     message = _strict(r.content.decode("utf-8"))["choices"][0]["message"]
     assert message["content"] == markup and not message.get("tool_calls")
+    if markup not in HOSTILE[:2]:
+        return  # streamed and Responses shaping run the same parser: two markups suffice there (CI time)
     with httpx.stream("POST", server.url("/v1/chat/completions"), json=body | {"stream": True}, timeout=120) as s:
         assert s.status_code == 200
         data = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
