@@ -29,11 +29,8 @@ HOSTILE = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess("--dtype", "float32")
-    proc.wait_ready()
-    yield proc
-    assert proc.stop() == 0, proc.log_tail()
+def server(api_server: ServerProcess) -> ServerProcess:
+    return api_server  # the shared session server (float32): no server start of its own
 
 
 def _strict(text: str):

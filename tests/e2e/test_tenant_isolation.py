@@ -26,14 +26,12 @@ MESSAGES = [
 ]
 
 
-def _front_doors(tmp_path_factory):
+def _front_doors(tmp_path_factory, replica: ServerProcess):
     db = tmp_path_factory.mktemp("iso") / "state.db"
     url = f"sqlite:///{db}"
     keys = make_keys(url, {"alpha": {}, "beta": {}, "gamma": {"models": ("another-model",)}})
     serve = ServerProcess("--dtype", "float32", "--require-auth", "--state-db", url)
-    replica = ServerProcess("--dtype", "float32", "--no-gateway")
     serve.wait_ready()
-    replica.wait_ready()
     gw_db = tmp_path_factory.mktemp("iso-gw") / "state.db"
     gw_keys = make_keys(f"sqlite:///{gw_db}", {"alpha": {}, "beta": {}, "gamma": {"models": ("another-model",)}})
     gateway = ServerProcess(
@@ -47,12 +45,14 @@ def _front_doors(tmp_path_factory):
         command="gateway",
     )
     gateway.wait_ready(60)
-    return {"serve": (serve, keys, db), "gateway": (gateway, gw_keys, gw_db)}, (serve, replica, gateway)
+    return {"serve": (serve, keys, db), "gateway": (gateway, gw_keys, gw_db)}, (serve, gateway)
 
 
 @pytest.fixture(scope="module")
-def doors(tmp_path_factory):
-    by_name, procs = _front_doors(tmp_path_factory)
+def doors(tmp_path_factory, api_server: ServerProcess):
+    """`ferrylm serve --require-auth`, and `ferrylm gateway --require-auth` in front of the shared
+    session server (an open replica: it takes the salt the gateway sends)."""
+    by_name, procs = _front_doors(tmp_path_factory, api_server)
     yield by_name
     for p in reversed(procs):
         assert p.stop() == 0, p.log_tail()
