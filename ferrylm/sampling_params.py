@@ -18,6 +18,14 @@ class SamplingParamsError(ValueError):
 
 
 MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(value: object) -> None:
+    """SamplingParamsError unless `value` is None or a non-empty string of at most MAX_CACHE_SALT_CHARS
+    (the one rule for the body field, the gateway's forwarding and the KV export route)."""
+    if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_CACHE_SALT_CHARS):
+        raise SamplingParamsError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                  "characters", "cache_salt")
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -139,10 +147,7 @@ class SamplingParams:
         for ok, message, param in checks:
             if not ok:
                 raise SamplingParamsError(message, param)
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
-                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
-            raise SamplingParamsError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-                                      "characters", "cache_salt")
+        check_cache_salt(self.cache_salt)
         if self.structured_outputs is not None:
             # the grammar allows only EOS once complete: min_tokens or ignore_eos would leave no token
             for name, neutral in (("min_tokens", 0), ("ignore_eos", False)):

@@ -54,7 +54,7 @@ from ferrylm.router.registry import ModelGroup, ReplicaRegistry
 from ferrylm.router.relay import StreamRelay
 from ferrylm.router.request_body import read_request_body
 from ferrylm.router.sse import usage_counts
-from ferrylm.sampling_params import MAX_CACHE_SALT_CHARS
+from ferrylm.sampling_params import SamplingParamsError, check_cache_salt
 from ferrylm.version import package_version
 
 log = logging.getLogger("ferrylm.gateway")
@@ -173,9 +173,10 @@ def _cache_salt(state: GatewayState, principal, body: dict) -> str | None:
     """The salt the replicas hash this request's prompt with: the tenant's own namespace unless the
     deployment shares its prefix cache (gateway/cache_salt.py); a malformed `cache_salt` is a 400."""
     requested = body.get("cache_salt")
-    if requested is not None and not (isinstance(requested, str) and 0 < len(requested) <= MAX_CACHE_SALT_CHARS):
-        raise APIError(400, f"Invalid 'cache_salt': must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-                            "characters.", "cache_salt")
+    try:
+        check_cache_salt(requested)
+    except SamplingParamsError as e:
+        raise APIError(400, f"Invalid 'cache_salt': {e}.", "cache_salt") from None
     if state.gateway is None:
         return requested
     return effective_cache_salt(principal, requested, state.gateway.config.shared_prefix_cache)

@@ -17,7 +17,7 @@ from fastapi import Request, Response
 from ferrylm.http.body import read_json_body, read_raw_body
 from ferrylm.http.errors import APIError, invalid
 from ferrylm.kv_transfer import KVLayoutMismatch
-from ferrylm.sampling_params import MAX_CACHE_SALT_CHARS
+from ferrylm.sampling_params import SamplingParamsError, check_cache_salt
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.state import ServerState
 
@@ -60,8 +60,10 @@ async def kv_export(request: Request) -> Response:
     vocab = engine.model_info.vocab_size
     if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
         raise invalid(f"'prompt_token_ids' must be a list of token ids (0..{vocab - 1}).", "prompt_token_ids")
-    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
-        raise invalid("'cache_salt' must be a non-empty string.", "cache_salt")
+    try:
+        check_cache_salt(salt)
+    except SamplingParamsError as e:
+        raise invalid(f"Invalid 'cache_salt': {e}.", "cache_salt") from None
     return Response(content=await engine.export_prefix_kv(ids, salt), media_type="application/octet-stream")
 
 

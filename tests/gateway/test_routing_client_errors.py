@@ -154,6 +154,17 @@ def test_an_in_band_engine_error_after_the_first_token_counts_toward_the_breaker
     assert registry.replicas()[0].breaker.consecutive_failures == 1
 
 
+def _refused(registry, dispatcher, client, times: int) -> None:
+    """Dispatch `times` requests to group "m", each failing on every replica (an APIError)."""
+    async def run():
+        for _ in range(times):
+            with pytest.raises(APIError):
+                await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), False)
+        await client.aclose()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("status", [500, 501, 505])
 def test_a_500_is_retried_elsewhere_but_never_ejects_a_replica(status):
     """A request whose content makes replicas fail (500): retried within the budget, but one tenant
@@ -163,14 +174,7 @@ def test_a_500_is_retried_elsewhere_but_never_ejects_a_replica(status):
                                                       "code": None}})
 
     registry, dispatcher, client = world(handler, breaker_failures=2)
-
-    async def run():
-        for _ in range(6):
-            with pytest.raises(APIError):
-                await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), False)
-        await client.aclose()
-
-    asyncio.run(run())
+    _refused(registry, dispatcher, client, 6)
     for rep in registry.replicas():
         assert rep.breaker.state is BreakerState.CLOSED and rep.breaker.consecutive_failures == 0
         rep.breaker.check_invariants()
@@ -179,14 +183,7 @@ def test_a_500_is_retried_elsewhere_but_never_ejects_a_replica(status):
 @pytest.mark.parametrize("status", [502, 503, 504])
 def test_a_502_503_504_counts_toward_the_breaker(status):
     registry, dispatcher, client = world(lambda request: httpx.Response(status), ("http://a",), breaker_failures=2)
-
-    async def run():
-        for _ in range(2):
-            with pytest.raises(APIError):
-                await dispatcher.dispatch(registry.resolve("m"), "/x", {}, {}, RouteContext(5, 10), False)
-        await client.aclose()
-
-    asyncio.run(run())
+    _refused(registry, dispatcher, client, 2)
     assert registry.replicas()[0].breaker.state is BreakerState.OPEN
 
 
