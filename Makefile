@@ -6,6 +6,11 @@ STAMP := $(VENV)/.ferrylm-installed
 
 .PHONY: setup serve generate lint test test-lm-eval fuzz faults bench clean
 
+# Some machines (CI's among them) set PYTHONDONTWRITEBYTECODE: every process, every server a test
+# starts, then compiles torch, transformers and sympy from source again (~6 s of CPU per process).
+# Python writes .pyc files into .venv for the modules it imports, once.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml Makefile
 	# redis-server: shared rate limits; chromium: the headless dashboard tests; the aarch64 cross compiler
 	# and qemu-user: the ARM NEON kernels' test on x86 (one apt-get update for all)

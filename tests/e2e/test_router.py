@@ -219,6 +219,17 @@ def test_standalone_gateway_auth_limits_and_audit(replicas, tmp_path):
         stop(gw)
 
 
+def _audit_rows(path: str, at_least: int, wait_s: float = 30.0) -> list[tuple]:
+    """The audit log's rows once it holds `at_least` of them (or whatever it holds after `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with sqlite3.connect(path) as conn:
+            rows = conn.execute("SELECT request_id, status, prompt_tokens, completion_tokens FROM audit_log").fetchall()
+        if len(rows) >= at_least or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
 def test_gateway_routes_responses_tokenizer_and_model_endpoints(replicas, tmp_path):
     """/v1/responses (streamed and not, usage billed from the Responses shape), /tokenize,
     /detokenize, /v1/models/{id} and /version through an authenticating gateway."""
@@ -240,8 +251,8 @@ def test_gateway_routes_responses_tokenizer_and_model_endpoints(replicas, tmp_pa
         final = events[-1]
         assert final.type in ("response.completed", "response.incomplete")
         assert final.response.usage.output_tokens == direct.usage.output_tokens
-        with sqlite3.connect(f"{tmp_path}/state.db") as conn:
-            rows = conn.execute("SELECT request_id, status, prompt_tokens, completion_tokens FROM audit_log").fetchall()
+        # A relayed stream settles (bills) after its last event reached the client: wait for its row.
+        rows = _audit_rows(f"{tmp_path}/state.db", 2)
         billed = {r[0]: r[1:] for r in rows}
         assert billed[via.headers["x-request-id"]] == (200, direct.usage.input_tokens, direct.usage.output_tokens)
         assert sorted(billed.values()).count((200, direct.usage.input_tokens, direct.usage.output_tokens)) == 2, rows

@@ -62,7 +62,7 @@ def test_tp2_server_answers_then_reports_a_killed_rank(llm_fp32):
         server.stop()
 
 
-def test_torchrun_launches_the_ranks_and_rank_0_serves(llm_fp32):
+def test_torchrun_launches_the_ranks_and_rank_0_serves(llm_fp32, tmp_path):
     """`torchrun --nproc-per-node 2 -m ferrylm.cli serve -tp 2`: every process runs the same command,
     rank 0 serves HTTP, rank 1 joins its group (MASTER_PORT + 1) and runs its steps."""
     import subprocess
@@ -71,14 +71,16 @@ def test_torchrun_launches_the_ranks_and_rank_0_serves(llm_fp32):
     from tests.e2e.server_process import free_port
 
     port, master = free_port(), free_port()
+    log = tmp_path.joinpath("torchrun.log").open("w")
     torchrun = Path(sys.executable).parent / "torchrun"
     proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port", str(master), "-m",
                              "ferrylm.cli", "serve", "-tp", "2", "--dtype", "float32", "--enforce-eager",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "torchrun exited or never got ready"
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"torchrun exited ({proc.poll()}) or never got ready: {Path(log.name).read_text()[-3000:]}"
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200:
                     break
