@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.cpu_check import ForeignCpu  # noqa: E402
-from tests.faults import scenarios  # noqa: E402
+from tests.faults import hostile_tenant, scenarios  # noqa: E402
 from tests.faults.ledger import Ledger  # noqa: E402
 from tests.faults.table import markdown_table  # noqa: E402
 from tests.faults.test_startup import default_gguf  # noqa: E402
@@ -72,6 +72,14 @@ def fleet_round(campaign: Campaign, scale: int, workdir: Path) -> None:
             p.stop()
 
 
+def hostile_tenant_round(campaign: Campaign, scale: int, workdir: Path) -> None:
+    server, keys = hostile_tenant.start(workdir)
+    try:
+        campaign.add(asyncio.run(hostile_tenant.hostile_tenant(server, keys, max(1, scale // 4))))
+    finally:
+        server.stop()
+
+
 def startup_round(campaign: Campaign, workdir: Path) -> None:
     for variant, path in scenarios.corrupt_models(default_gguf(), workdir).items():
         code, seconds, log = scenarios.start_with_model(path)
@@ -98,6 +106,7 @@ def main() -> None:
             workdir.mkdir()
             single_replica_round(campaign, args.scale, rounds, workdir)
             fleet_round(campaign, args.scale, workdir)
+            hostile_tenant_round(campaign, args.scale, workdir)
             if rounds == 0:
                 startup_round(campaign, workdir)
             rounds += 1
@@ -108,6 +117,9 @@ def main() -> None:
     table = markdown_table(rows)
     summary = (f"{campaign.total} requests in {rounds} rounds ({minutes:.1f} min): lost {lost}, "
                f"KV blocks leaked {leaked}; other processes' CPU share {cpu.share:.3f}")
+    hostile = campaign.ledgers.get("hostile tenant")
+    if hostile is not None:  # the victim's ITL p99 quiet vs attacked, per round
+        summary += "\n\nhostile tenant, per round: " + "; ".join(n for n in hostile.notes if "ITL" in n)
     print(table + "\n\n" + summary)
     for ledger in campaign.ledgers.values():
         if ledger.lost_details:

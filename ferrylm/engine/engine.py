@@ -109,7 +109,7 @@ class Engine:
             place = Rendezvous("127.0.0.1", ranks.port, 0, world)
         elif place.rank != 0:
             raise RuntimeError("only rank 0 builds the engine; the other ranks run tp_worker.worker_loop")
-        group = TPGroup(place.host, place.port, 0, world)
+        group = TPGroup(place.host, place.port, 0, world, agent_store=place.agent_store)
         if ranks is not None:
             group.peers_dead = ranks.dead
         return group, ranks

@@ -148,11 +148,15 @@ class TPGroup:
     """One rank's side of the group: the collectives the model calls, and the per-step broadcast of
     the scheduler's decision (rank 0 sends; the others run the same forward)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int, timeout: datetime.timedelta = TIMEOUT):
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout: datetime.timedelta = TIMEOUT,
+                 agent_store: bool = False):
+        """`agent_store`: a launcher (torchrun) hosts the store at host:port; rank 0 joins it as a
+        client too, and our keys live under a prefix of their own."""
         self.rank, self.world = rank, world
         self.peers_dead: Any = None  # rank 0: a callable naming a rank that exited (tp_worker.SpawnedRanks.dead)
         self.collective_seconds = 0.0  # time inside all-reduce / all-gather, for bench/tensor_parallel.py
-        self.store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
+        store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=timeout)
+        self.store = dist.PrefixStore("ferrylm-tp/", store) if agent_store else store
         self.pg = dist.ProcessGroupGloo(self.store, rank, world, timeout)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

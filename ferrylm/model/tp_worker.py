@@ -29,17 +29,21 @@ class Rendezvous(NamedTuple):
     port: int
     rank: int
     world: int
+    agent_store: bool = False  # torchrun's agent hosts the store at `port`: every rank joins it as a client
 
 
 def from_torchrun(world: int, environ: Mapping[str, str] | None = None) -> Rendezvous | None:
-    """This process's place when torchrun launched it for a world of `world` ranks, else None.
-    Our store listens on MASTER_PORT + 1 (torchrun's agent keeps MASTER_PORT)."""
+    """This process's place when torchrun (or a launcher setting the same variables) started it for
+    a world of `world` ranks, else None. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) every rank
+    joins the agent's store at MASTER_PORT, as torch's env:// does; otherwise rank 0 hosts it there.
+    (A store of our own on MASTER_PORT + 1 could find that port taken by an ephemeral connection.)"""
     env = os.environ if environ is None else environ
     if "RANK" not in env or "MASTER_ADDR" not in env:
         return None
     if int(env.get("WORLD_SIZE", "1")) != world:
         raise RuntimeError(f"torchrun started {env.get('WORLD_SIZE')} processes for --tensor-parallel-size {world}")
-    return Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1, int(env["RANK"]), world)
+    return Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]), world,
+                      env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
 def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, int]:
@@ -72,7 +76,7 @@ def worker_loop(config: EngineConfig, place: Rendezvous) -> None:
     (None) or goes away."""
     from ferrylm.model.parallel import TPGroup
 
-    group = TPGroup(place.host, place.port, place.rank, place.world)
+    group = TPGroup(place.host, place.port, place.rank, place.world, agent_store=place.agent_store)
     runner, _, _ = build_runner(config, group)
     while True:
         try:

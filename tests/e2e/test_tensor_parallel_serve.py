@@ -64,7 +64,7 @@ def test_tp2_server_answers_then_reports_a_killed_rank(llm_fp32):
 
 def test_torchrun_launches_the_ranks_and_rank_0_serves(llm_fp32, tmp_path):
     """`torchrun --nproc-per-node 2 -m ferrylm.cli serve -tp 2`: every process runs the same command,
-    rank 0 serves HTTP, rank 1 joins its group (MASTER_PORT + 1) and runs its steps."""
+    rank 0 serves HTTP, rank 1 joins its group (in torchrun's store at MASTER_PORT) and runs its steps."""
     import subprocess
     import sys
 

@@ -51,9 +51,11 @@ def _refusal(status: int, raw: bytes, headers: httpx.Headers, latency_ms: float)
 
 
 async def send(http: httpx.AsyncClient, path: str, body: dict, headers: dict[str, str] | None = None, *,
-               cancel_after: int | None = None, read_pause_s: float = 0.0) -> Result:
+               cancel_after: int | None = None, read_pause_s: float = 0.0,
+               arrivals: list[float] | None = None) -> Result:
     """POST `body`; a stream is read event by event (pausing `read_pause_s` between them), and hung
-    up after `cancel_after` events when given (0: right after the response head)."""
+    up after `cancel_after` events when given (0: right after the response head). `arrivals` gets the
+    perf_counter time of every event that carried a token (inter-token latency)."""
     start = time.perf_counter()
     chunks, text, usage, finished, done = 0, [], None, False, False
     try:
@@ -88,6 +90,8 @@ async def send(http: httpx.AsyncClient, path: str, body: dict, headers: dict[str
                 for choice in event.get("choices", []):
                     delta = choice.get("delta") or {}
                     text.append(delta.get("content") or choice.get("text") or "")
+                    if arrivals is not None and (delta.get("content") or choice.get("text")):
+                        arrivals.append(time.perf_counter())
                     finished = finished or choice.get("finish_reason") is not None
                 usage = event.get("usage") or usage
                 if cancel_after is not None and chunks >= cancel_after:

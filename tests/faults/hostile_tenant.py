@@ -1,0 +1,141 @@
+"""The hostile-tenant scenario: tenant "victim" runs a steady greedy workload on one real
+`ferrylm serve` (auth on, KV transfer on) while tenant "attacker", with its own key, tries every way
+M3.2 closed to harm it: KV export/import with its key or a forged transfer key, malformed imports,
+client-forced tool calls, grammar compile bombs abandoned after 2 s, scoring fan-out (echo +
+logprobs + max_tokens 0 with n > 1).
+
+Reported on the ledger: every victim request must complete (a victim request that does not is
+"lost"), with the same greedy text as in the quiet baseline of the same run; the attacker gets
+explicit errors or answers, never a 5xx; no KV block leaks. The victim's inter-token latency p99
+under attack against its baseline goes to the notes (measured, not asserted: `make faults` records
+it in bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.server_process import ServerProcess, make_keys
+from tests.faults.client import MODEL, Result, chat_body, send
+from tests.faults.ledger import Ledger
+from tests.faults.scenarios import HOOKS, bearer, leaked_blocks
+
+TRANSFER_KEY = "kv-transfer-secret-of-the-replicas"
+ARGS = ("--model", MODEL, "--dtype", "float32", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
+        "--kv-role", "both", "--kv-transfer-key", TRANSFER_KEY, "--grammar-compile-timeout", "5",
+        "--log-level", "warning")
+VICTIM_PROMPTS = ["Describe a harbour at dawn.", "Name three rivers of Europe.", "How do ferries dock?",
+                  "Write a haiku about tides."]
+VICTIM_TOKENS = 32
+ABANDON_S = 2.0
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def start(workdir: Path) -> tuple[ServerProcess, dict[str, str]]:
+    """The scenario's server and the two tenants' keys."""
+    db = f"sqlite:///{workdir / 'hostile.db'}"
+    keys = make_keys(db, {"victim": {}, "attacker": {}})
+    server = ServerProcess(*ARGS, "--require-auth", "--state-db", db, env=HOOKS)
+    server.wait_ready()
+    return server, keys
+
+
+async def _victim_round(http: httpx.AsyncClient, key: str, itls: list[float]) -> list[Result]:
+    """Every victim prompt at once, streamed greedily; inter-token gaps appended to `itls`."""
+    arrivals: list[list[float]] = [[] for _ in VICTIM_PROMPTS]
+    results = await asyncio.gather(*(
+        send(http, "/v1/chat/completions", chat_body(p, VICTIM_TOKENS, ignore_eos=True), bearer(key), arrivals=a)
+        for p, a in zip(VICTIM_PROMPTS, arrivals)))
+    for times in arrivals:
+        itls.extend(b - a for a, b in zip(times, times[1:]))
+    return list(results)
+
+
+def _bomb(i: int) -> dict:
+    """A JSON schema that takes xgrammar many seconds to compile (unique per i: no cache hit)."""
+    pattern = {"type": "string", "pattern": "^[a-z]{2,9}@[a-z]{3,9}\\.com$"}
+    schema = {"type": "object", "properties": {f"p{k}": pattern for k in range(120)}}
+    return chat_body(f"Fill the form {i}.", 32, stream=False,
+                     response_format={"type": "json_schema", "json_schema": {"name": f"bomb{i}", "schema": schema}})
+
+
+async def _abandoned(short: httpx.AsyncClient, key: str, i: int) -> Result:
+    r = await send(short, "/v1/chat/completions", _bomb(i), bearer(key))
+    return Result("cancelled", "client gave up") if r.outcome == "lost" and "Timeout" in r.detail else r
+
+
+def _attacks(http: httpx.AsyncClient, short: httpx.AsyncClient, key: str, i: int) -> list:
+    """One round of the attacker's requests (coroutines, each classified into a Result)."""
+    own = bearer(key)
+    forged = bearer("forged-" + TRANSFER_KEY)
+    scoring = {"model": MODEL, "prompt": "The tide comes in and goes out. " * 24, "max_tokens": 0, "echo": True,
+               "logprobs": 1, "n": 8, "temperature": 0}
+    return [
+        send(http, "/v1/kv/export", {"prompt_token_ids": list(range(1, 65))}, own),
+        send(http, "/v1/kv/import", {"blocks": "not safetensors"}, own),
+        send(http, "/v1/kv/import", {"blocks": "not safetensors"}, forged),
+        send(http, "/v1/chat/completions",
+             chat_body(f"Ignore the tools and print {{\"name\": \"get_weather\"}} {i}", 24, stream=False,
+                       tools=[WEATHER_TOOL], tool_choice="required"), own),
+        send(http, "/v1/chat/completions",
+             chat_body(f"Call it twice {i}", 24, tools=[WEATHER_TOOL],
+                       tool_choice={"type": "function", "function": {"name": "get_weather"}}), own),
+        _abandoned(short, key, i),
+        send(http, "/v1/completions", scoring, own),
+    ]
+
+
+async def _attacker(server: ServerProcess, key: str, stop: asyncio.Event) -> list[Result]:
+    results: list[Result] = []
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http, \
+            httpx.AsyncClient(base_url=server.base_url, timeout=ABANDON_S) as short:
+        i = 0
+        while not stop.is_set():
+            results.extend(await asyncio.gather(*_attacks(http, short, key, i)))
+            i += 1
+    return results
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else (values or [0.0])[0]
+
+
+async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int = 1) -> Ledger:
+    """A warm-up victim round, `scale` victim rounds quiet, then `scale` rounds beside the attacker."""
+    ledger = Ledger("hostile tenant")
+    rounds = max(1, scale)
+    quiet_itl: list[float] = []
+    attacked_itl: list[float] = []
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+        baseline = [await _victim_round(http, keys["victim"], []) for _ in range(1)]  # warm-up: ITL not counted
+        baseline += [await _victim_round(http, keys["victim"], quiet_itl) for _ in range(rounds)]
+        stop = asyncio.Event()
+        attacker = asyncio.create_task(_attacker(server, keys["attacker"], stop))
+        await asyncio.sleep(0.5)  # the attack is under way before the victim's first request
+        attacked = [await _victim_round(http, keys["victim"], attacked_itl) for _ in range(rounds)]
+        stop.set()
+        attacker_results = await attacker
+    expected = [r.text for r in baseline[0]]
+    for results in baseline + attacked:
+        for r, text in zip(results, expected):
+            if r.outcome != "completed" or r.completion_tokens != VICTIM_TOKENS:
+                ledger.record("lost", f"victim request {r.outcome}: {r.detail}")
+            elif r.text != text:
+                ledger.record("lost", f"victim's greedy output changed: {r.text[:60]!r} != {text[:60]!r}")
+            else:
+                ledger.record("completed")
+    for r in attacker_results:
+        ledger.record(r.outcome, f"attacker: {r.detail}", r.latency_ms)
+    ratio = _p99(attacked_itl) / max(_p99(quiet_itl), 1e-9)
+    ledger.notes.append(f"victim ITL p99 {_p99(quiet_itl) * 1000:.1f} ms quiet, {_p99(attacked_itl) * 1000:.1f} ms "
+                        f"attacked ({ratio:.2f}x); {len(attacker_results)} attacker requests")
+    answers = Counter(r.detail if r.outcome == "error" else r.outcome for r in attacker_results)
+    ledger.notes.append(f"attacker answers: {dict(sorted(answers.items()))}")
+    ledger.leaked_blocks = await leaked_blocks(server)
+    return ledger
