@@ -176,7 +176,7 @@ def main() -> int:
     llm = LLM("smollm2-135m", dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
               enforce_eager=args.enforce_eager)
     load_s = time.perf_counter() - t0
-    print(f"load: {time.perf_counter() - t0:.1f} s, dtype {llm.engine.runner.dtype}, "
+    print(f"load: {time.perf_counter() - t0:.1f} s, dtype {llm.engine.executor.dtype}, "
           f"threads {torch.get_num_threads()}", flush=True)
     hf = None if args.no_hf else HFBaseline(getattr(torch, args.hf_dtype))
     tokens = corpus_tokens(llm.get_tokenizer())

@@ -124,13 +124,13 @@ def main() -> None:
     rows = [compare("single stream, input-grounded", plain, spec, grounded, params, args.rounds, True),
             compare("single stream, open-ended chat", plain, spec, open_ended, params, args.rounds, True)]
     forced = SpeculativeConfig.parse(config | {"disable_by_batch_size": 4096})
-    default = spec.engine.runner.speculator.config if spec.engine.runner.speculator is not None else None
-    spec.engine.runner.set_speculative(forced)
+    default = spec.engine.executor.speculator.config if spec.engine.executor.speculator is not None else None
+    spec.engine.executor.set_speculative(forced)
     for b in (int(x) for x in args.batch_sizes.split(",")):
         batch = (grounded * b)[:b]
         rows.append(compare(f"{b} concurrent, input-grounded, drafts forced on", plain, spec, batch, params,
                             args.rounds, False))
-    spec.engine.runner.set_speculative(default)
+    spec.engine.executor.set_speculative(default)
     mixed = ((grounded + open_ended) * args.concurrency)[:args.concurrency]
     rows.append(compare(f"{args.concurrency} concurrent, mixed, default settings", plain, spec, mixed, params,
                         args.rounds, False))

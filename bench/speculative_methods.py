@@ -51,7 +51,7 @@ def main() -> None:
         path = write_truncated(args.model, n, tmp / f"draft{n}")
         methods[f"draft_model ({n}-layer cut)"] = {"method": "draft_model", "model": str(path)}
     llm = LLM(args.model, max_num_seqs=64, max_num_batched_tokens=1024)
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     workloads = {"input-grounded": chat_ids(llm, GROUNDED), "open-ended chat": chat_ids(llm, OPEN)}
     rows = []

@@ -26,7 +26,7 @@ def _prefill_seconds(llm: LLM, n: int, repeat: int = 3) -> float:
 
 
 def _copy_seconds(llm: LLM, num_blocks: int, repeat: int = 5) -> float:
-    swap = llm.engine.runner.kv_swap
+    swap = llm.engine.executor.kv_swap
     pairs = [(i, i) for i in range(num_blocks)]
     best = float("inf")
     for _ in range(repeat):
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 512])
     args = ap.parse_args()
     llm = LLM(args.model, max_num_batched_tokens=max(args.tokens), swap_space=1.0)
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     per_block = runner.swap_bytes_per_block
     print(f"dtype {runner.dtype}, {per_block} bytes per block ({runner.block_size} tokens)")
     _prefill_seconds(llm, 32)  # warm-up

@@ -28,7 +28,8 @@ from tests.model.prompts import SIXTEEN_PROMPTS  # noqa: E402
 
 def timed(llm: LLM, prompts: list[dict], params: SamplingParams, exclude_pids: list[int]) -> dict:
     """Seconds per decode step (wall time of the generate / steps after prefill) and collective share."""
-    group = llm.engine.runner.tp.group if llm.engine.runner.tp is not None else None
+    runner = getattr(llm.engine.executor, "runner", llm.engine.executor)  # under TP: rank 0's runner
+    group = runner.tp.group if runner.tp is not None else None
     coll0 = group.collective_seconds if group else 0.0
     steps = 0
     step = llm.engine.step
@@ -60,7 +61,7 @@ def main() -> None:
     common = dict(dtype=args.dtype, enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=1024)
     tp1 = LLM(args.model, quantization="none", **common)  # TP ranks hold float weights: compare like with like
     tp2 = LLM(args.model, tensor_parallel_size=2, **common)
-    worker_pids = [p.pid for p in tp2.engine.tp_ranks.procs]
+    worker_pids = [p.pid for p in tp2.engine.executor.ranks.procs]
     tok = tp1.get_tokenizer()
     prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": q}])}
                for q in SIXTEEN_PROMPTS]

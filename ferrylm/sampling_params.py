@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import numbers
@@ -70,6 +71,11 @@ class StructuredOutputsParams:
     def key(self) -> tuple[Any, ...]:
         """What the compiled grammar depends on: the compile cache's key (not `param`)."""
         return (self.kind, getattr(self, self.kind), self.disable_any_whitespace)
+
+    def ref(self) -> str:
+        """The compiled grammar's reference, a plain string a SchedulerOutput carries to the runner
+        (GrammarCompiler.compiled resolves it on the sampling rank)."""
+        return hashlib.sha256(repr(self.key()).encode()).hexdigest()
 
 
 @dataclass

@@ -4,8 +4,7 @@ A leaf module, so model/ reads what the scheduler decided without importing engi
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ferrylm.sampling_params import SamplingParams
 
@@ -16,7 +15,9 @@ class NewRequestData(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    grammar: Future[Any] | None = None  # the compiled structured-output grammar (done before scheduling)
+    # the structured-output grammar's reference (StructuredOutputsParams.ref; compiled before the request
+    # is scheduled), resolved by the sampling rank through the engine's grammar compiler
+    grammar: str | None = None
 
 
 class ScheduledRequest(NamedTuple):

@@ -76,7 +76,7 @@ def engine_like(llm, **overrides):
     cache_keys = {"num_blocks", "enable_prefix_caching", "swap_space"}
     config = base.config.with_cache(**{k: v for k, v in overrides.items() if k in cache_keys})
     config = config.with_scheduler(**{k: v for k, v in overrides.items() if k not in cache_keys})
-    return Engine(replace(config), base.runner, base.tokenizer, base.max_model_len)
+    return Engine(replace(config), base.executor, base.tokenizer, base.max_model_len, grammars=base.grammars)
 
 
 def run_to_completion(engine, check=False) -> dict[str, list[int]]:

@@ -55,7 +55,7 @@ class FerryLMEngine:
         if kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = kv_cache_dtype
         self.llm = LLM(model, dtype="auto", max_num_seqs=64, max_num_batched_tokens=1024, seed=0, **kwargs)
-        runner = self.llm.engine.runner
+        runner = self.llm.engine.executor
         if hasattr(runner, "wait_compiled"):  # trees from M3.1 on compile in the background: time the graphs
             runner.wait_compiled()
         self.params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

@@ -296,8 +296,7 @@ class AsyncEngine:
     def _fail_if_a_rank_died(self) -> None:
         """Idle, a tensor-parallel engine still checks its ranks: one that exited fails the loop now
         (liveness turns 503), not at the next request."""
-        dead_rank = getattr(self.engine, "tp_dead", None)
-        reason = dead_rank() if dead_rank is not None else None
+        reason = self.engine.executor_dead()
         if reason:
             raise RuntimeError(f"{reason}; the engine cannot continue without it")
 

@@ -14,6 +14,7 @@ from ferrylm.engine.output_processor import OutputProcessor
 from ferrylm.engine.preemption import PreemptionPolicy
 from ferrylm.engine.request import Request
 from ferrylm.engine.scheduler import RequestRejected, Scheduler
+from ferrylm.executor import Executor, build_executor, build_grammar_compiler
 from ferrylm.kv_transfer import KVBlocks, KVLayoutMismatch
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import FinishReason, RequestOutput, RequestOutputKind
@@ -34,11 +35,11 @@ def _certain_output_left(request: Request) -> int:
     return min(_output_left(request), max(0, request.sampling_params.min_tokens - request.num_output_tokens))
 
 
-def _swap_setup(config: EngineConfig, runner: Any) -> tuple[HostBlockPool, PreemptionPolicy]:
-    """Swap preemption's host pool, sized like the device pool: --swap-space over the runner's bytes
-    per block, at most the host blocks the runner allocated (a sibling engine may ask for fewer)."""
-    per_block = getattr(runner, "swap_bytes_per_block", 0)
-    num_host = min(int(config.cache.swap_space * (1 << 30)) // per_block, runner.num_host_blocks) if per_block else 0
+def _swap_setup(config: EngineConfig, executor: Executor) -> tuple[HostBlockPool, PreemptionPolicy]:
+    """Swap preemption's host pool, sized like the device pool: --swap-space over the executor's
+    bytes per block, at most the host blocks it allocated (a sibling engine may ask for fewer)."""
+    per_block = executor.swap_bytes_per_block
+    num_host = min(int(config.cache.swap_space * (1 << 30)) // per_block, executor.num_host_blocks) if per_block else 0
     if config.scheduler.preemption_mode == "swap" and num_host == 0:
         raise ConfigError(f"--preemption-mode swap: --swap-space {config.cache.swap_space} GiB holds no KV block "
                           f"({per_block} bytes each)")
@@ -48,88 +49,49 @@ def _swap_setup(config: EngineConfig, runner: Any) -> tuple[HostBlockPool, Preem
 class Engine:
     """Synchronous core used by the offline LLM and driven by AsyncEngine's loop thread."""
 
-    def __init__(self, config: EngineConfig, runner, tokenizer: Tokenizer, max_model_len: int,
+    def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Tokenizer, max_model_len: int,
                  grammars: Any = None):
-        """`grammars`: the structured-output compiler (model/structured_output.GrammarCompiler); by
-        default one for `tokenizer` (nothing is imported or compiled until a request asks)."""
+        """`grammars`: the structured-output compiler (executor.build_grammar_compiler); by default
+        one for `tokenizer` (nothing is imported or compiled until a request asks)."""
         self.config = config
-        self.runner = runner
+        self.executor = executor
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        num_blocks = min(config.cache.num_blocks or runner.num_blocks, runner.num_blocks)
+        num_blocks = min(config.cache.num_blocks or executor.num_blocks, executor.num_blocks)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len, *_swap_setup(config, runner))
-        self.vocab_size = runner.config.vocab_size
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len,
+                                   *_swap_setup(config, executor))
+        self.vocab_size = executor.vocab_size
         self.output_processor = OutputProcessor(tokenizer, self.scheduler.finish_request)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.prefill_tokens_total, self.decode_tokens_total, self.num_steps_total = 0, 0, 0  # batch composition
-        self.grammars = grammars if grammars is not None else self._default_grammars(tokenizer)
+        self.grammars = grammars if grammars is not None else \
+            build_grammar_compiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
         self._compiling: list[Request] = []  # requests whose grammar was not compiled when they arrived
-        self.tp_ranks: Any = None  # tp_worker.SpawnedRanks when this engine spawned tensor-parallel ranks
-
-    def _default_grammars(self, tokenizer: Tokenizer) -> Any:
-        from ferrylm.model.structured_output import GrammarCompiler, GrammarLimits  # no torch until used
-
-        hf = getattr(tokenizer, "hf", None)
-        limits = GrammarLimits(compile_timeout_s=self.config.grammar_compile_timeout_s)
-        return GrammarCompiler(hf, self.vocab_size, tuple(tokenizer.eos_token_ids), limits) if hf is not None else None
+        executor.use_grammars(self.grammars.compiled if self.grammars is not None else None)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
-        """Load the model, tokenizer and KV cache described by `config`; with tensor parallelism,
-        start (or, under torchrun, join) the other ranks first."""
-        from ferrylm.model.tp_worker import build_runner
-
-        group, ranks = None, None
-        if config.tensor_parallel_size > 1:
-            group, ranks = cls._join_tensor_parallel(config)
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Load the model, tokenizer and KV cache described by `config` (with tensor parallelism,
+        the executor starts or joins the other ranks)."""
+        built = build_executor(config)
         try:
-            runner, source, max_model_len = build_runner(config, group)
+            tokenizer = Tokenizer.load(built.source, tuple(built.executor.eos_token_ids))
         except BaseException:
-            if ranks is not None:
-                ranks.join(timeout=0)
+            built.executor.shutdown()
             raise
-        tokenizer = Tokenizer.load(source, runner.config.eos_token_ids)
-        engine = cls(config, runner, tokenizer, max_model_len)
-        engine.tp_ranks = ranks
-        return engine
+        return cls(config, built.executor, tokenizer, built.max_model_len)
 
-    @staticmethod
-    def _join_tensor_parallel(config: EngineConfig) -> tuple[Any, Any]:
-        """Rank 0's group, and the spawned ranks (None under torchrun, which started them)."""
-        from ferrylm.model.parallel import TPGroup
-        from ferrylm.model.tp_worker import Rendezvous, SpawnedRanks, from_torchrun
-
-        world = config.tensor_parallel_size
-        place = from_torchrun(world)
-        ranks = None
-        if place is None:
-            ranks = SpawnedRanks(config, world)
-            place = Rendezvous("127.0.0.1", ranks.port, 0, world)
-        elif place.rank != 0:
-            raise RuntimeError("only rank 0 builds the engine; the other ranks run tp_worker.worker_loop")
-        group = TPGroup(place.host, place.port, 0, world, agent_store=place.agent_store)
-        if ranks is not None:
-            group.peers_dead = ranks.dead
-        return group, ranks
-
-    def tp_dead(self) -> str | None:
-        """A line naming a spawned tensor-parallel rank that exited, or None (also without TP)."""
-        return self.tp_ranks.dead() if self.tp_ranks is not None else None
+    def executor_dead(self) -> str | None:
+        """A line naming a part of the executor that exited (a tensor-parallel rank), or None."""
+        return self.executor.dead()
 
     def shutdown(self) -> None:
-        """Stop the grammar compile workers and the other tensor-parallel ranks."""
+        """Stop the grammar compile workers and the executor (the other tensor-parallel ranks)."""
         if self.grammars is not None:
             self.grammars.shutdown()
-        if getattr(self.runner, "tp", None) is not None:
-            try:
-                self.runner.shutdown()
-            except RuntimeError:
-                pass  # a rank already gone
-        if self.tp_ranks is not None:
-            self.tp_ranks.join()
-            self.tp_ranks = None
+        self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------------------
     def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
@@ -193,8 +155,8 @@ class Engine:
         cached (after it ran the prompt), named by their block hashes."""
         blocks = self.block_manager.cached_blocks(token_ids, root_hash(cache_salt))
         size = self.block_manager.block_size
-        return KVBlocks(self.runner.kv_layout(), block_hashes(token_ids, size, len(blocks), cache_salt),
-                        self.runner.read_kv_blocks(blocks), list(token_ids[:len(blocks) * size]), cache_salt)
+        return KVBlocks(self.executor.kv_layout(), block_hashes(token_ids, size, len(blocks), cache_salt),
+                        self.executor.read_kv_blocks(blocks), list(token_ids[:len(blocks) * size]), cache_salt)
 
     def import_prefix_kv(self, kv: KVBlocks) -> int:
         """Cache here the blocks another engine computed for a prompt's prefix (only those not already
@@ -202,7 +164,7 @@ class Engine:
         blocks written. Everything is checked before the cache is touched, and the new blocks become
         findable only once all are written: a refused or failed import leaves the cache as it was.
         Raises KVLayoutMismatch (another layout) or ValueError (anything else wrong)."""
-        layout = self.runner.kv_layout()
+        layout = self.executor.kv_layout()
         if kv.layout != layout:
             raise KVLayoutMismatch(f"KV blocks of layout {kv.layout} cannot go into {layout}")
         size, tokens = self.block_manager.block_size, kv.token_ids
@@ -214,11 +176,11 @@ class Engine:
             raise ValueError(f"the KV blocks' tokens are not this model's: {e}") from None
         if kv.hashes != block_hashes(tokens, size, len(kv.hashes), kv.cache_salt):
             raise ValueError("the KV blocks' hashes are not those of their prompt tokens")
-        self.runner.check_kv_blocks(kv.data, len(kv.hashes))
+        self.executor.check_kv_blocks(kv.data, len(kv.hashes))
         fill, held = self.block_manager.stage_import(tokens, len(kv.hashes), root_hash(kv.cache_salt))
         try:
             if fill:
-                self.runner.write_kv_blocks([b for _, b, _ in fill], kv.data[:, :, [i for i, _, _ in fill]])
+                self.executor.write_kv_blocks([b for _, b, _ in fill], kv.data[:, :, [i for i, _, _ in fill]])
         except BaseException:
             self.block_manager.abort_import(held)
             raise
@@ -240,18 +202,18 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if sched.finished_ids or sched.preempted_ids or sched.blocks_to_swap_out:  # forget them / copy out
-                self.runner.execute(sched)
+                self.executor.execute(sched)
             pending = [r.grammar for r in self._compiling if r.grammar is not None]
             if pending:  # idle until a grammar is ready instead of spinning
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
             return failed
         self._count_batch(sched)
-        result = self.runner.execute(sched)
+        result = self.executor.execute(sched)
         updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)
         self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
         return failed + self.output_processor.process(updated, result.logprobs,
                                                       prompt_logprobs=result.prompt_logprobs,
-                                                      accepted_logprobs=getattr(result, "accepted_logprobs", None))
+                                                      accepted_logprobs=result.accepted_logprobs)
 
     def _count_batch(self, sched: SchedulerOutput) -> None:
         """Prefill vs decode tokens of this step (a decode row: one token past the prompt, plus its draft)."""

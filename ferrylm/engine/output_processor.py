@@ -12,10 +12,11 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from ferrylm.detokenizer import IncrementalDetokenizer
 from ferrylm.engine.request import Request
+from ferrylm.executor import PromptLogprob, TokenLogprobs
 from ferrylm.outputs import (
     CompletionOutput,
     FinishReason,
@@ -32,20 +33,6 @@ if TYPE_CHECKING:
 FinishRequest = Callable[[str, FinishReason, str | int | None], None]  # Scheduler.finish_request
 
 
-class TokenLogprobs(Protocol):
-    """What the runner reports per sampled token (model/runner.py's TokenLogprobs)."""
-
-    entries: dict[int, float]  # chosen token first, then the top alternatives
-
-
-class ScoredPromptToken(Protocol):
-    """What the runner reports per scored prompt token (model/prompt_logprobs.py's PromptLogprob)."""
-
-    position: int
-    entries: dict[int, float]  # the prompt's token first, then the top alternatives
-    rank: int
-
-
 @dataclass
 class _RequestState:
     """One request's output so far: what a CUMULATIVE output repeats, or a DELTA one has not sent."""
@@ -60,7 +47,7 @@ class _RequestState:
     prompt_logprobs: PromptLogprobs | None = None  # [None] + one entry per scored position, when asked
     prompt_logprobs_sent: bool = False  # DELTA sends them once
 
-    def add_prompt_logprobs(self, scored: Sequence[ScoredPromptToken], decode: Callable[[int], str]) -> None:
+    def add_prompt_logprobs(self, scored: Sequence[PromptLogprob], decode: Callable[[int], str]) -> None:
         """Append the next positions in order; a position seen before (a preempted request computes
         its prompt again) is skipped."""
         if self.prompt_logprobs is None:
@@ -146,7 +133,7 @@ class OutputProcessor:
 
     def process(self, requests: Sequence[Request], logprobs: Mapping[str, TokenLogprobs],
                 now: float | None = None,
-                prompt_logprobs: Mapping[str, Sequence[ScoredPromptToken]] | None = None,
+                prompt_logprobs: Mapping[str, Sequence[PromptLogprob]] | None = None,
                 accepted_logprobs: Mapping[str, Sequence[TokenLogprobs]] | None = None) -> list[RequestOutput]:
         """One output per request that received a token this step, or ended with none (max_tokens 0):
         scheduler.update's list. `prompt_logprobs`: the prompt tokens the step scored, per request.

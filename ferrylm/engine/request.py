@@ -74,6 +74,12 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     @property
+    def grammar_ref(self) -> str | None:
+        """The runner's handle on this request's compiled grammar (a plain string), if it has one."""
+        spec = self.sampling_params.structured_outputs
+        return spec.ref() if self.grammar is not None and spec is not None else None
+
+    @property
     def grammar_pending(self) -> bool:
         """Not schedulable yet: its grammar still compiles, or failed (the engine aborts it)."""
         return self.grammar is not None and (not self.grammar.done() or self.grammar.exception() is not None)

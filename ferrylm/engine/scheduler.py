@@ -200,7 +200,7 @@ class Scheduler:
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
                 new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                                   req.grammar))
+                                                   req.grammar_ref))
             scheduled.append(self._scheduled(req, n))
             budget -= n
         return budget

@@ -3,7 +3,7 @@ made assistant `tool_calls` or sends `tool` results.
 
 A template that knows tools (its source mentions `tools`) gets them as transformers passes them
 (`tools=`, messages with `tool_calls`, role `tool`). Any other template gets the generic tool prompt
-(README, "Tool calling"): the tool list and the call format in the system message, earlier calls as
+(docs/serving.md, "Tool calling"): the tool list and the call format in the system message, earlier calls as
 `<tool_call>` blocks in the assistant's content, results as `<tool_response>` blocks in a user message.
 server/tools.py parses the same `<tool_call>` format out of the output.
 """

@@ -11,16 +11,11 @@ from typing import NamedTuple
 
 import torch
 
+from ferrylm.executor import PromptLogprob
 from ferrylm.model.sampler import SamplingRequestState
 from ferrylm.scheduler_output import ScheduledRequest
 
 SLICE_ROWS = 256  # LM-head rows at a time: 256 x 49k vocab x fp32 = 50 MB
-
-
-class PromptLogprob(NamedTuple):
-    position: int  # index in the prompt of the token scored (1.. : the first has none)
-    entries: dict[int, float]  # that token's logprob first, then the top-k alternatives
-    rank: int  # 1 + the number of tokens the model found more likely
 
 
 class PromptRows(NamedTuple):

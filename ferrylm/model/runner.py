@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from ferrylm.config import (
     SpeculativeConfig,
     check_speculative_with_tp,
 )
+from ferrylm.executor import ModelOutput, PromptLogprob
 from ferrylm.model import draft_setup, prompt_logprobs
 from ferrylm.model.attention import AttentionSpec, kv_quant, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
@@ -28,22 +30,12 @@ from ferrylm.model.kv_swap import HostKVSwap
 from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.loader import Checkpoint, load_model
 from ferrylm.model.parallel import ShardedCheckpoint, TPContext, TPGroup
-from ferrylm.model.prompt_logprobs import PromptLogprob
-from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, TokenLogprobs, token_logprobs
+from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, token_logprobs
 from ferrylm.model.spec_step import Speculator, build_batch, split_rows
 from ferrylm.model.structured_output import apply_grammar_masks, new_matcher
 from ferrylm.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("ferrylm.runner")
-
-
-class RunnerOutput(NamedTuple):
-    sampled: dict[str, int]  # request id → next token
-    logprobs: dict[str, TokenLogprobs]  # only for requests that asked for logprobs
-    prompt_logprobs: dict[str, list[PromptLogprob]] = {}  # this step's scored prompt tokens (never mutated)
-    accepted: dict[str, list[int]] = {}  # draft tokens the target kept, emitted before `sampled` (never mutated)
-    draft_token_ids: dict[str, list[int]] = {}  # proposals for the next step (never mutated)
-    accepted_logprobs: dict[str, list[TokenLogprobs]] = {}  # of the `accepted` tokens, when asked (never mutated)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
@@ -121,6 +113,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, SamplingRequestState] = {}
         self.eos_token_ids = list(self.config.eos_token_ids)
+        self.vocab_size = self.config.vocab_size
+        self.grammar_of: Callable[[str], Any] | None = None  # a grammar reference → its compiled grammar
         self.set_speculative(speculative)
 
     def set_speculative(self, speculative: SpeculativeConfig | None) -> None:
@@ -270,13 +264,21 @@ class ModelRunner:
         else:
             self._logits(batch, len(batch.logits_indices))
 
+    def use_grammars(self, compiled: Callable[[str], Any] | None) -> None:
+        """Where a SchedulerOutput's grammar references resolve (the engine's GrammarCompiler.compiled)."""
+        self.grammar_of = compiled
+
+    def dead(self) -> str | None:
+        """Nothing of a runner runs apart from it (spawned ranks: parallel_executor.py)."""
+        return None
+
     def shutdown(self) -> None:
         """Tensor parallel: tell the other ranks to exit (rank 0; the engine's close)."""
         if self.tp is not None and self.tp.group.rank == 0:
             self.tp.group.broadcast_object(None)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
         if self.tp is not None:  # the other ranks run the same forward (tp_worker.py)
             self.tp.group.broadcast_object(output)
         self._swap_blocks(output)
@@ -292,9 +294,9 @@ class ModelRunner:
                 self.speculator.forget(new.request_id)
             self.states[new.request_id] = SamplingRequestState(
                 new.sampling_params, new.prompt_token_ids,
-                grammar=new_matcher(new.grammar) if new.grammar is not None else None)
+                grammar=new_matcher(self._compiled_grammar(new.grammar)) if new.grammar is not None else None)
         if not output.scheduled:
-            return RunnerOutput({}, {})
+            return ModelOutput({}, {})
         rows = [i for i, s in enumerate(output.scheduled) if s.sample]
         counts = [1 + len(output.scheduled[i].draft_token_ids) for i in rows]
         batch = build_batch(output.scheduled, self.block_size, self.device)
@@ -307,7 +309,7 @@ class ModelRunner:
         else:
             logits = self._logits(batch, len(batch.logits_indices))
         if not rows:
-            return RunnerOutput({}, {}, scored)
+            return ModelOutput({}, {}, scored)
         if len(counts) == sum(counts):
             result = self._sample(logits, [output.scheduled[i].request_id for i in rows])
         else:
@@ -317,17 +319,22 @@ class ModelRunner:
             drafts = self.speculator.propose([output.scheduled[i] for i in rows], self.states)
         return result._replace(prompt_logprobs=scored, draft_token_ids=drafts)
 
-    def _sample_and_verify(self, logits: torch.Tensor, items: list, counts: list[int]) -> RunnerOutput:
+    def _compiled_grammar(self, ref: str) -> Any:
+        if self.grammar_of is None:
+            raise RuntimeError("a structured-output request reached a runner without a grammar compiler")
+        return self.grammar_of(ref)
+
+    def _sample_and_verify(self, logits: torch.Tensor, items: list, counts: list[int]) -> ModelOutput:
         """Rows without a draft are sampled as usual; drafted rows are verified (spec_step.py)."""
         assert self.speculator is not None
         plain, drafted, plain_rows, drafted_rows = split_rows(counts)
-        result = RunnerOutput({}, {})
+        result = ModelOutput({}, {})
         if plain:
             result = self._sample(logits.index_select(0, plain_rows.to(logits.device)),
                                   [items[i].request_id for i in plain])
         verified = self.speculator.verify(logits.index_select(0, drafted_rows.to(logits.device)),
                                           [items[i] for i in drafted], self.states)
-        return RunnerOutput(result.sampled | verified.sampled, result.logprobs | verified.logprobs,
+        return ModelOutput(result.sampled | verified.sampled, result.logprobs | verified.logprobs,
                             accepted=verified.accepted, accepted_logprobs=verified.accepted_logprobs)
 
     def _logits(self, batch: ForwardBatch, num_sampled: int) -> torch.Tensor:
@@ -347,7 +354,7 @@ class ModelRunner:
             return self.graphs.replay(batch)
         return self.model(batch.with_attn_metadata(self.attn_backend.prepare(batch)), self.kv_caches)
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> RunnerOutput:
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> ModelOutput:
         states = [self.states[rid] for rid in request_ids]
         guided = [i for i, state in enumerate(states) if state.grammar is not None]
         if guided:  # structured output: only the tokens each row's grammar allows next
@@ -365,4 +372,4 @@ class ModelRunner:
             for rid, entry in zip(request_ids, token_logprobs(result, [st.params.logprobs for st in states])):
                 if entry is not None:
                     logprobs[rid] = entry
-        return RunnerOutput(sampled, logprobs)
+        return ModelOutput(sampled, logprobs)

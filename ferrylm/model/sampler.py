@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ferrylm.executor import TokenLogprobs
 from ferrylm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -53,12 +54,6 @@ class SamplingRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: Any = None  # structured output: the request's xgrammar GrammarMatcher
-
-
-class TokenLogprobs(NamedTuple):
-    """Logprob of the sampled token and the top alternatives, chosen token first."""
-
-    entries: dict[int, float]
 
 
 class SamplerOutput(NamedTuple):

@@ -12,12 +12,12 @@ from typing import NamedTuple
 import torch
 
 from ferrylm.config import SpeculativeConfig
+from ferrylm.executor import TokenLogprobs
 from ferrylm.model.draft_proposer import Draft, DraftInput, ModelProposer
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.sampler import (
     SamplingBatch,
     SamplingRequestState,
-    TokenLogprobs,
     make_generator,
     processed_logits,
     rows_logprobs,

@@ -15,6 +15,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,6 +91,9 @@ class GrammarCompiler:
         self._info_json = ""
         self._idle: list[CompileWorker] = []
         self.compile_seconds: dict[tuple, float] = {}  # per cached key: cold compile time (benchmarks)
+        # StructuredOutputsParams.ref → the future a live request holds (alive while one does, even
+        # once the LRU cache evicted it): what `compiled` resolves a SchedulerOutput's reference with
+        self._live: weakref.WeakValueDictionary[str, Future] = weakref.WeakValueDictionary()
 
     def submit(self, spec: StructuredOutputsParams, waiting: bool = False) -> Future:
         """The compiled grammar of `spec` (a Future; its exception is a StructuredOutputError).
@@ -108,7 +112,15 @@ class GrammarCompiler:
                                                         thread_name_prefix="ferrylm-grammar")
                 self._executor.submit(self._run, job)
                 self._evict()
+            known = self._live.get(spec.ref())
+            if known is None or not known.done() or known.cancelled() or known.exception() is not None:
+                self._live[spec.ref()] = job.future  # a compiled one stays: requests scheduled with it use it
             return job.future
+
+    def compiled(self, ref: str) -> Any:
+        """The compiled grammar of a scheduled request's reference (its compile finished before the
+        scheduler admitted it; KeyError if no live request holds it)."""
+        return self._live[ref].result()
 
     def release(self, spec: StructuredOutputsParams) -> None:
         """A `submit(waiting=True)` caller stopped waiting (its client left)."""
@@ -222,11 +234,11 @@ class GrammarCompiler:
             worker.kill()
 
 
-def new_matcher(compiled: Future) -> Any:
-    """A request's matcher over its (already compiled) grammar."""
+def new_matcher(compiled: Any) -> Any:
+    """A request's matcher over its compiled grammar (xgrammar.CompiledGrammar)."""
     import xgrammar
 
-    return xgrammar.GrammarMatcher(compiled.result())
+    return xgrammar.GrammarMatcher(compiled)
 
 
 def apply_grammar_masks(logits: Any, rows: list[int], matchers: list[Any]) -> None:

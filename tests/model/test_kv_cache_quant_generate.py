@@ -37,7 +37,7 @@ def _generate(cache_dtype: str, enforce_eager: bool, prompts: list[str], max_num
               max_num_seqs=max_num_seqs)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
                        SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs), use_tqdm=False)
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     tops = [[{t: getattr(lp, "logprob", lp) for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]
             for o in outputs]
     return [list(o.outputs[0].token_ids) for o in outputs], runner.num_blocks, runner.compiled is not None, tops

@@ -122,7 +122,7 @@ def test_a_failed_write_registers_nothing(monkeypatch):
     def broken(block_ids, data):
         raise RuntimeError("device write failed")
 
-    monkeypatch.setattr(decode.runner, "write_kv_blocks", broken)
+    monkeypatch.setattr(decode.executor, "write_kv_blocks", broken)
     with pytest.raises(RuntimeError):
         decode.import_prefix_kv(kv)
     assert decode.block_manager.pool.cached == cached  # staged blocks never became findable

@@ -59,7 +59,7 @@ def test_default_gguf_model_is_kept_packed(llm_fp32):
     from ferrylm.model.quant.gguf import GGUFPacked
     from ferrylm.model.quant.packed import PackedWeight
 
-    model = llm_fp32.engine.runner.model
+    model = llm_fp32.engine.executor.model
     assert isinstance(model.lm_head.quant, GGUFPacked) and model.embed_tokens is None
     assert isinstance(model.layers[0].mlp.down_proj.packed, PackedWeight)
     assert not any(name.endswith(".weight") and p.dim() == 2 for name, p in model.named_parameters())

@@ -37,7 +37,7 @@ def test_greedy_tokens_match_transformers(llm_fp32, prompt_ids, reference_tokens
 
 
 def test_last_position_logits_match(llm_fp32, hf_reference, prompt_ids):
-    runner = llm_fp32.engine.runner
+    runner = llm_fp32.engine.executor
     from ferrylm.model.forward_batch import ForwardBatch
 
     for ids in (prompt_ids[0], prompt_ids[7]):

@@ -27,7 +27,7 @@ GROUNDED = [  # the answer repeats text of the prompt: what prompt lookup is for
 @contextlib.contextmanager
 def speculating(llm, config: SpeculativeConfig = NGRAM):
     """The shared runner proposes drafts inside the block (the runner is shared by the model tests)."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     runner.set_speculative(config)
     try:
         yield
@@ -218,7 +218,7 @@ def test_draft_rows_are_masked_by_the_grammar_after_each_guess(llm_fp32):
     from ferrylm.sampling_params import StructuredOutputsParams as Spec
 
     tok = llm_fp32.get_tokenizer()
-    matcher = new_matcher(llm_fp32.engine.grammars.submit(Spec(regex=r"ab(c|d)[0-9]")))
+    matcher = new_matcher(llm_fp32.engine.grammars.submit(Spec(regex=r"ab(c|d)[0-9]")).result())
     a, b, c, d, x = (tok.encode(s, add_special_tokens=False)[0] for s in "abcdx")
     vocab = llm_fp32.engine.vocab_size
     logits = torch.zeros(4, vocab)

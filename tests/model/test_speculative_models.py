@@ -150,9 +150,9 @@ def tiny_runs(tiny_drafts):
     for i, ids in enumerate(prompts):
         plain.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     expected = run_to_completion(plain)
-    runners = [_tiny_engine(SpeculativeConfig("layer_skip", 3, num_layers=1, disable_by_batch_size=64)).runner,
+    runners = [_tiny_engine(SpeculativeConfig("layer_skip", 3, num_layers=1, disable_by_batch_size=64)).executor,
                _tiny_engine(SpeculativeConfig("draft_model", 3, model=tiny_drafts["same"],
-                                              disable_by_batch_size=64)).runner]
+                                              disable_by_batch_size=64)).executor]
     return prompts, [expected[str(i)] for i in range(len(prompts))], runners
 
 

@@ -50,7 +50,9 @@ def test_scheduler_passes_over_a_request_whose_grammar_compiles() -> None:
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockManager(32, 4, True), 128)
     pending: Future = Future()
     params = SamplingParams(temperature=0, max_tokens=4)
-    first = Request("guided", [1, 2, 3], params, 4, 0.0, grammar=pending)
+    spec = Spec(regex="a+")
+    first = Request("guided", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec), 4, 0.0,
+                    grammar=pending)
     second = Request("plain", [4, 5, 6], params, 4, 1.0)
     failed: Future = Future()
     failed.set_exception(StructuredOutputError("bad", "structured_outputs"))
@@ -61,7 +63,7 @@ def test_scheduler_passes_over_a_request_whose_grammar_compiles() -> None:
     pending.set_result(object())
     out = s.schedule()
     assert [r.request_id for r in out.scheduled] == ["plain", "guided"]  # never "failed"
-    assert out.new_requests[0].grammar is pending
+    assert out.new_requests[0].grammar == spec.ref()  # the grammar's reference: plain data, not the future
     s.check_invariants()
 
 

@@ -40,7 +40,7 @@ def unconstrained(llm_fp32, prompts):
 @pytest.mark.parametrize("mode, host_blocks", [("swap", None), ("auto", 3)])
 def test_outputs_identical_under_swap_preemption(llm_fp32, prompts, unconstrained, mode, host_blocks):
     longest = max(map(len, prompts)) + NEW
-    runner = llm_fp32.engine.runner
+    runner = llm_fp32.engine.executor
     swap_space = 4.0 if host_blocks is None else host_blocks * runner.swap_bytes_per_block / (1 << 30)
     engine = engine_like(llm_fp32, num_blocks=longest // 16 + 4, max_num_batched_tokens=1024,
                          preemption_mode=mode, swap_space=swap_space)

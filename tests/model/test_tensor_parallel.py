@@ -5,7 +5,9 @@ and chunked prefill run under TP; a killed rank is a clear error at the next ste
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 
 import pytest
@@ -41,7 +43,7 @@ def test_tp2_equals_tp1_on_tiny_models(tmp_path, kind, overrides):
         _compare(plain, tp, prompts)
     finally:
         tp.shutdown()
-    assert tp.engine.tp_ranks is None  # joined
+    assert tp.engine.executor.ranks is None  # joined
 
 
 @requires_smollm2
@@ -56,12 +58,25 @@ def test_tp2_equals_tp1_on_smollm2_float32_with_speculation():
     tp = LLM("smollm2-135m", dtype="float32", tensor_parallel_size=2,
              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     try:
-        assert tp.engine.runner.local_config.num_heads == 6 and tp.engine.runner.local_config.num_kv_heads == 2
+        local = tp.engine.executor.runner.local_config
+        assert local.num_heads == 6 and local.num_kv_heads == 2
         _compare(plain, tp, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3))
         greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # no logprobs: drafted
         a, b = plain.generate(prompts, greedy, use_tqdm=False), tp.generate(prompts, greedy, use_tqdm=False)
         assert [x.outputs[0].token_ids for x in a] == [y.outputs[0].token_ids for y in b]
         assert tp.engine.stats().spec_decode_num_accepted_tokens > 0
+        # structured output under TP: the step carries the grammar's reference (plain data), rank 0 samples
+        from ferrylm.sampling_params import StructuredOutputsParams as Spec
+
+        schema = '{"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}'
+        constraints = [Spec(json=schema), Spec(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}"), Spec(choice=("apple", "fig"))]
+        guided = [SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=c) for c in constraints]
+        a = [plain.generate(prompts[:2], g, use_tqdm=False) for g in guided]
+        b = [tp.generate(prompts[:2], g, use_tqdm=False) for g in guided]
+        assert [[o.outputs[0].text for o in x] for x in a] == [[o.outputs[0].text for o in y] for y in b]
+        assert all(json.loads(o.outputs[0].text)["fruit"] for o in b[0])
+        assert all(re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}", o.outputs[0].text) for o in b[1])
+        assert all(o.outputs[0].text in ("apple", "fig") for o in b[2])
     finally:
         tp.shutdown()
 
@@ -69,12 +84,12 @@ def test_tp2_equals_tp1_on_smollm2_float32_with_speculation():
 def test_a_killed_rank_is_a_clear_error_not_a_hang(tmp_path):
     directory = str(add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama")))
     tp = LLM(directory, dtype="float32", tensor_parallel_size=2)
-    assert tp.engine.tp_dead() is None
+    assert tp.engine.executor_dead() is None
     tp.generate([{"prompt_token_ids": [1, 5, 9]}], PARAMS, use_tqdm=False)
-    worker = tp.engine.tp_ranks.procs[0]
+    worker = tp.engine.executor.ranks.procs[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(10)
-    assert "tensor-parallel rank 1" in tp.engine.tp_dead()
+    assert "tensor-parallel rank 1" in tp.engine.executor_dead()
     with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"):
         tp.generate([{"prompt_token_ids": [1, 5, 9]}], PARAMS, use_tqdm=False)
     tp.shutdown()

@@ -30,6 +30,9 @@ class FakeEngine:
     aborted: list = field(default_factory=list)
     crash: bool = False
 
+    def executor_dead(self):
+        return None  # nothing runs apart from this engine
+
     def add_request(self, key, prompt, params, priority=0, output_kind=None):
         if prompt == [0]:
             raise RequestRejected("no", "prompt")

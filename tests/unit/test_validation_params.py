@@ -73,17 +73,19 @@ def test_request_rejected_carries_an_optional_param() -> None:
 # ---------------------------------------------------------------- the engine boundary
 
 
-class _Runner:
-    """The attributes Engine reads at construction; no model, no tensors."""
+class _Executor:
+    """The executor.Executor attributes Engine reads at construction; no model, no tensors."""
 
-    num_blocks = 16
+    num_blocks, num_host_blocks, swap_bytes_per_block = 16, 0, 0
+    vocab_size = 100
+    eos_token_ids: list[int] = []
 
-    class config:  # noqa: N801 - mirrors runner.config.vocab_size
-        vocab_size = 100
+    def use_grammars(self, compiled) -> None:
+        pass
 
 
 def stub_engine() -> Engine:
-    return Engine(EngineConfig(), _Runner(), tokenizer=None, max_model_len=64)
+    return Engine(EngineConfig(), _Executor(), tokenizer=None, max_model_len=64)
 
 
 @pytest.mark.parametrize("kwargs,param", [
