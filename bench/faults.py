@@ -7,13 +7,15 @@ Loopback only; real `ferrylm serve` / `ferrylm gateway` processes and the real m
 check reads /proc/stat: the share of busy CPU time used by processes other than this campaign
 and its servers (the servers are children; ~0 means a quiet machine).
 
-    .venv/bin/python bench/faults.py [--min-requests 10000] [--scale 25] [--write]
+    .venv/bin/python bench/faults.py [--min-requests 10000] [--scale 25] [--only hostile ...] [--write]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -90,13 +92,33 @@ def startup_round(campaign: Campaign, workdir: Path) -> None:
         campaign.add(ledger)
 
 
+def cpu_line() -> str:
+    """The CPU model and the vector extensions the kernels care about (lscpu)."""
+    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("Flags")), [])
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "asimd")
+    return f"{model}, {os.cpu_count()} CPUs, flags {' '.join(f for f in wanted if f in flags)}"
+
+
+ROUNDS = {
+    "single": lambda c, scale, seed, workdir: single_replica_round(c, scale, seed, workdir),
+    "fleet": lambda c, scale, seed, workdir: fleet_round(c, scale, workdir),
+    "hostile": lambda c, scale, seed, workdir: hostile_tenant_round(c, scale, workdir),
+    "startup": lambda c, scale, seed, workdir: startup_round(c, workdir),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--min-requests", type=int, default=10_000)
     ap.add_argument("--scale", type=int, default=25, help="request-count multiplier of each scenario")
     ap.add_argument("--max-rounds", type=int, default=20)
     ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    ap.add_argument("--only", choices=sorted(ROUNDS), action="append",
+                    help="run only these kinds of round (repeatable; default: all)")
     args = ap.parse_args()
+    kinds = args.only or list(ROUNDS)
 
     campaign, rounds, start = Campaign(), 0, time.monotonic()
     with ForeignCpu(children=True) as cpu, tempfile.TemporaryDirectory(prefix="ferrylm-faults-") as tmp:
@@ -104,11 +126,9 @@ def main() -> None:
             print(f"round {rounds + 1}: {campaign.total} requests so far", flush=True)
             workdir = Path(tmp) / f"round{rounds}"
             workdir.mkdir()
-            single_replica_round(campaign, args.scale, rounds, workdir)
-            fleet_round(campaign, args.scale, workdir)
-            hostile_tenant_round(campaign, args.scale, workdir)
-            if rounds == 0:
-                startup_round(campaign, workdir)
+            for kind in kinds:
+                if kind != "startup" or rounds == 0:
+                    ROUNDS[kind](campaign, args.scale, rounds, workdir)
             rounds += 1
     minutes = (time.monotonic() - start) / 60
     rows = [ledger.row() for ledger in campaign.ledgers.values()]
@@ -126,9 +146,10 @@ def main() -> None:
             print(f"{ledger.scenario} lost: {ledger.lost_details[:5]}")
     if args.write:
         with (ROOT / "bench" / "RESULTS.md").open("a") as f:
+            only = "".join(f" --only {k}" for k in args.only or [])
             f.write(f"\n## Fault-injection campaign (`make faults`, {time.strftime('%Y-%m-%d')})\n\n"
-                    f"`.venv/bin/python bench/faults.py --min-requests {args.min_requests} --scale {args.scale} "
-                    f"--write`\n\n{table}\n\n{summary}\n")
+                    f"`.venv/bin/python bench/faults.py --min-requests {args.min_requests} --scale {args.scale}"
+                    f"{only} --write`; CPU: {cpu_line()}\n\n{table}\n\n{summary}\n")
     sys.exit(1 if lost or leaked else 0)
 
 
