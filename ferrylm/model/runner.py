@@ -146,17 +146,23 @@ class ModelRunner:
     def _start_compile(self, max_num_seqs: int, max_blocks: int, background: bool) -> None:
         """Compile (or load from the disk cache) the decode step of every batch-size bucket: on a daemon
         thread by default, so the first request is served eagerly instead of after minutes of
-        compiling on a cold cache; the graphs take over from the next step once ready."""
+        compiling on a cold cache; the graphs take over from the next step once ready. The thread
+        starts at the first step, not here: compiling holds the GIL most of the time, and started
+        now it slowed the rest of the start (tokenizer, engine, warm-up) from ~10 s to ~50 s."""
         if not background:
             self.compiled = self._compile_decode(max_num_seqs, max_blocks)
             return
         self._compiling = threading.Thread(target=self._compile_decode, args=(max_num_seqs, max_blocks, True),
                                            name="ferrylm-compile", daemon=True)
-        self._compiling.start()
+
+    def _start_background_compile(self) -> None:
+        if self._compiling is not None and self._compiling.ident is None:
+            self._compiling.start()
 
     def wait_compiled(self, timeout: float | None = None) -> CompiledDecodeStep | None:
         """Block until a background compile has finished (benchmarks, tests); the step or None."""
         if self._compiling is not None:
+            self._start_background_compile()
             self._compiling.join(timeout)
         return self.compiled
 
@@ -279,6 +285,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
+        self._start_background_compile()
         if self.tp is not None:  # the other ranks run the same forward (tp_worker.py)
             self.tp.group.broadcast_object(output)
         self._swap_blocks(output)

@@ -113,16 +113,18 @@ def test_compiled_tokens_equal_eager(runners, monkeypatch):
 
 
 def test_background_compile_serves_eagerly_then_takes_over(tiny, tmp_path, monkeypatch):
-    """The default start: the constructor returns while the graphs compile (a cold cache costs minutes
-    on a slow CPU), steps run eagerly meanwhile, and once ready the compiled step serves decode rows,
-    with the same tokens throughout."""
+    """The default start: the constructor returns without compiling (a cold cache costs minutes on a
+    slow CPU), the first step starts the compile on a thread, steps run eagerly meanwhile, and once
+    ready the compiled step serves decode rows, with the same tokens throughout."""
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
     runner = _runner(tiny, enforce_eager=False, max_num_seqs=1, background=True)
-    assert runner._compiling is not None and runner._compiling.is_alive(), "the constructor waited for the compile"
+    assert runner._compiling is not None and runner.compiled is None, "the constructor waited for the compile"
+    assert runner._compiling.ident is None, "the compile started before the first step (it slows the start)"
     eager = _runner(tiny, enforce_eager=True, max_num_seqs=1)
     prompt = torch.randint(3, 320, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     want = _greedy(eager, [prompt], [10], "bg-e")
     assert _greedy(runner, [prompt], [10], "bg-0") == want  # served now, compiled or not
+    assert runner._compiling.ident is not None  # the first step started it
     step = runner.wait_compiled(timeout=900)
     assert step is not None and runner.compiled is step
     calls: list[int] = []
