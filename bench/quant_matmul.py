@@ -94,8 +94,8 @@ def bench_linears(ms: list[int], reps: int, kernels) -> None:
 def decode_step_models(methods: list[str]):
     from ferrylm.model.attention import AttentionSpec, select_backend
     from ferrylm.model.attention.cpu import cpu_fused_ops
-    from ferrylm.model.loader import Checkpoint, load_model
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.loader import Checkpoint, load_model
+    from ferrylm.model.loaders.model_source import resolve_model
 
     checkpoint = Checkpoint(resolve_model("smollm2-135m"))
     cpu = torch.device("cpu")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ferrylm.model.cpu_isa import BY_NAME, this_cpu  # noqa: E402
+from ferrylm.model.cpu.cpu_isa import BY_NAME, this_cpu  # noqa: E402
 from ferrylm.model.quant.kernels import load_quant_kernels  # noqa: E402
 from ferrylm.model.quant.layout import dequantize_packed, pack_q4  # noqa: E402
 

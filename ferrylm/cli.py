@@ -244,14 +244,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ferrylm serve: {e}", file=sys.stderr)
         return 2
     if engine_config.tensor_parallel_size > 1:  # under torchrun, ranks 1.. serve rank 0's steps, not HTTP
-        from ferrylm.model.tp_worker import from_torchrun, worker_loop
+        from ferrylm.model.parallel.tp_worker import from_torchrun, worker_loop
 
         place = from_torchrun(engine_config.tensor_parallel_size)
         if place is not None and place.rank > 0:
             worker_loop(engine_config, place)
             return 0
     if engine_config.speculative is not None:  # a draft that cannot work with the model: a usage error now
-        from ferrylm.model.draft_setup import check_startup
+        from ferrylm.model.spec.draft_setup import check_startup
 
         try:
             check_startup(engine_config.speculative, engine_config.model)

@@ -3,7 +3,7 @@ on an executor, what one step returns, and how an executor is built. Torch-free:
 only this module from the model side, and reads nothing else of it.
 
 An executor is one process's ModelRunner (model/runner.py) or, with --tensor-parallel-size > 1,
-rank 0's runner wrapped with the ranks it spawned (model/parallel_executor.py); vLLM calls the same
+rank 0's runner wrapped with the ranks it spawned (model/parallel/executor.py); vLLM calls the same
 idea its Executor."""
 
 from __future__ import annotations
@@ -84,25 +84,25 @@ class Executor(Protocol):
 
 class BuiltExecutor(NamedTuple):
     executor: Executor
-    source: Any  # model/model_source.ModelSource: where the tokenizer is loaded from
+    source: Any  # model/loaders/model_source.ModelSource: where the tokenizer is loaded from
     max_model_len: int
 
 
 def build_executor(config: EngineConfig) -> BuiltExecutor:
     """The executor `config` describes: one process, or rank 0 of a tensor-parallel group (its
     other ranks spawned here, or joined under torchrun). Loads the model."""
-    from ferrylm.model.parallel_executor import build  # torch: only once an engine is really built
+    from ferrylm.model.parallel.executor import build  # torch: only once an engine is really built
 
     return build(config)
 
 
 def build_grammar_compiler(tokenizer: Tokenizer, vocab_size: int, compile_timeout_s: float) -> Any:
-    """The structured-output compiler for `tokenizer` (model/structured_output.GrammarCompiler), or
+    """The structured-output compiler for `tokenizer` (model/structured/structured_output.GrammarCompiler), or
     None for a tokenizer without a Hugging Face twin. Nothing is compiled until a request asks."""
     hf = getattr(tokenizer, "hf", None)
     if hf is None:
         return None
-    from ferrylm.model.structured_output import GrammarCompiler, GrammarLimits
+    from ferrylm.model.structured.structured_output import GrammarCompiler, GrammarLimits
 
     limits = GrammarLimits(compile_timeout_s=compile_timeout_s)
     return GrammarCompiler(hf, vocab_size, tuple(tokenizer.eos_token_ids), limits)

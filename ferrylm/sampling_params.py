@@ -33,7 +33,7 @@ _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's structured_outputs: exactly one constraint the output must satisfy (a JSON schema, a
-    regex, one of `choice`, an EBNF grammar, or any JSON object). Pure data: model/structured_output.py
+    regex, one of `choice`, an EBNF grammar, or any JSON object). Pure data: model/structured/structured_output.py
     compiles it (xgrammar) and masks the logits with it.
 
     `disable_any_whitespace` (vLLM's name) defaults to True here: JSON is generated compact, so a small

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ferrylm.model.model_source import ModelLoadError, ModelSource
+from ferrylm.model.loaders.model_source import ModelLoadError, ModelSource
 
 
 def _cache_dir(source: ModelSource) -> Path:

@@ -53,7 +53,7 @@ def hf_reference():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.model_source import resolve_model
 
     source = resolve_model(SMOLLM2)
     model = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.path.name,

@@ -71,7 +71,7 @@ def describe_cpu() -> dict:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from ferrylm.model.cpu_isa import RELEVANT_FLAGS, this_cpu
+    from ferrylm.model.cpu.cpu_isa import RELEVANT_FLAGS, this_cpu
 
     cpu = this_cpu()
     return {"model": cpu.model, "arch": cpu.arch, "cpus": os.cpu_count(), "best_variant": cpu.supported()[-1].name,

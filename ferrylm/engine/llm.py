@@ -32,7 +32,7 @@ class LLM:
         `kv_cache_dtype`: vLLM's too; "auto" (the model's dtype), "fp8" / "fp8_e4m3", "fp8_e5m2", "int8".
         `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4}
         (config.SpeculativeConfig). `tensor_parallel_size`: vLLM's; ranks 1.. are spawned processes
-        (model/tp_worker.py) until `shutdown()`. `swap_space` (GiB of host memory) and `preemption_mode`
+        (model/parallel/tp_worker.py) until `shutdown()`. `swap_space` (GiB of host memory) and `preemption_mode`
         ("auto" | "recompute" | "swap"): vLLM's, how a request preempted for KV blocks is resumed."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, quantization=quantization, enforce_eager=enforce_eager,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ferrylm.model.cpu_isa import select_variant
+from ferrylm.model.cpu.cpu_isa import select_variant
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}

@@ -19,20 +19,21 @@ from ferrylm.config import (
     check_speculative_with_tp,
 )
 from ferrylm.executor import ModelOutput, PromptLogprob
-from ferrylm.model import draft_setup, prompt_logprobs
+from ferrylm.model import prompt_logprobs
+from ferrylm.model.arch.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.attention import AttentionSpec, kv_quant, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
-from ferrylm.model.compiled_step import CompiledDecodeStep
-from ferrylm.model.cpu_threads import configure_cpu_threads
-from ferrylm.model.cuda_graphs import CudaGraphRunner
+from ferrylm.model.compile.compiled_step import CompiledDecodeStep
+from ferrylm.model.compile.cuda_graphs import CudaGraphRunner
+from ferrylm.model.cpu.cpu_threads import configure_cpu_threads
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.kv_swap import HostKVSwap
-from ferrylm.model.llama import KVCache, LlamaForCausalLM
-from ferrylm.model.loader import Checkpoint, load_model
-from ferrylm.model.parallel import ShardedCheckpoint, TPContext, TPGroup
+from ferrylm.model.loaders.loader import Checkpoint, load_model
+from ferrylm.model.parallel.tp import ShardedCheckpoint, TPContext, TPGroup
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, token_logprobs
-from ferrylm.model.spec_step import Speculator, build_batch, split_rows
-from ferrylm.model.structured_output import apply_grammar_masks, new_matcher
+from ferrylm.model.spec import draft_setup
+from ferrylm.model.spec.spec_step import Speculator, build_batch, split_rows
+from ferrylm.model.structured.structured_output import apply_grammar_masks, new_matcher
 from ferrylm.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("ferrylm.runner")

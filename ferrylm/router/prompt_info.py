@@ -20,7 +20,7 @@ CHARS_PER_TOKEN = 4  # the estimate when no tokenizer is available
 
 def load_tokenizer(model: str):
     """The ferrylm Tokenizer of a model source (alias, .gguf, HF directory), or raise."""
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.model_source import resolve_model
     from ferrylm.tokenizer import Tokenizer
 
     return Tokenizer.load(resolve_model(model))

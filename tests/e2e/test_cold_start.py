@@ -2,7 +2,7 @@
 the decode graphs compile in the background (M2's default compiled them first: 502 s on an AVX2
 machine before the first answer).
 
-The C++ kernels for this CPU are built by `make setup` (python -m ferrylm.model.build_kernels), as a
+The C++ kernels for this CPU are built by `make setup` (python -m ferrylm.model.cpu.build_kernels), as a
 package's extension is built at install; the compile cache (FERRYLM_CACHE_DIR) starts empty here.
 """
 

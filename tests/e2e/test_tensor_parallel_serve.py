@@ -46,7 +46,7 @@ def test_tp2_server_answers_then_reports_a_killed_rank(llm_fp32):
                                                 stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.outputs[0].text
         ranks = [pid for pid in _children(server.proc.pid)
-                 if b"ferrylm.model.tp_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                 if b"ferrylm.model.parallel.tp_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
         deadline = time.monotonic() + 20

@@ -110,7 +110,7 @@ def build_runner(config: ModelConfig, *, device: str, dtype: torch.dtype, num_bl
     runner = ModelRunner(checkpoint, CacheConfig(block_size=block_size, num_blocks=num_blocks + 1), dtype,
                          torch.device(device), max_model_len, attention=attention, **kwargs)
     if cuda_graphs and getattr(runner, "graphs", None) is None:
-        from ferrylm.model.cuda_graphs import CudaGraphRunner
+        from ferrylm.model.compile.cuda_graphs import CudaGraphRunner
 
         graphs = CudaGraphRunner(runner.model, runner.kv_caches, max_num_seqs, -(-max_model_len // block_size),
                                  pad_block=runner.kv_caches[0][0].shape[0] - 1, block_size=block_size)

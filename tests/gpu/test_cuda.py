@@ -39,7 +39,7 @@ def test_gpu_fp32_greedy_equals_cpu_fp32(name, monkeypatch):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_graph_replay_equals_eager(dtype, tol):
-    from ferrylm.model.cuda_graphs import CudaGraphRunner
+    from ferrylm.model.compile.cuda_graphs import CudaGraphRunner
     from ferrylm.model.forward_batch import ForwardBatch
 
     runner = build_runner(model_config("tiny", 512), device="cuda", dtype=dtype, num_blocks=64, max_model_len=512,

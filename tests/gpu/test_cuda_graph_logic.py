@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.model.cuda_graphs import StaticDecodeInputs, graph_batch_sizes, pick_bucket
+from ferrylm.model.compile.cuda_graphs import StaticDecodeInputs, graph_batch_sizes, pick_bucket
 from ferrylm.model.forward_batch import ForwardBatch
 
 BLOCK_SIZE, PAD_BLOCK = 4, 50
@@ -91,9 +91,9 @@ def test_fill_rejects_a_bucket_smaller_than_the_batch():
 
 def test_graph_runner_refuses_backends_that_are_not_graph_safe():
     from ferrylm.config import ModelConfig
+    from ferrylm.model.arch.llama import LlamaForCausalLM
     from ferrylm.model.attention.torch_native import TorchNativeBackend
-    from ferrylm.model.cuda_graphs import CudaGraphRunner
-    from ferrylm.model.llama import LlamaForCausalLM
+    from ferrylm.model.compile.cuda_graphs import CudaGraphRunner
 
     config = ModelConfig("llama", 32, 16, 32, 1, 2, 1, 8)
     with torch.device("meta"):
@@ -105,9 +105,9 @@ def test_graph_runner_refuses_backends_that_are_not_graph_safe():
 
 def test_uncaptured_runner_runs_eagerly_and_capture_needs_cuda():
     from ferrylm.config import ModelConfig
+    from ferrylm.model.arch.llama import LlamaForCausalLM
     from ferrylm.model.attention.torch_native import TorchNativeBackend
-    from ferrylm.model.cuda_graphs import CudaGraphRunner
-    from ferrylm.model.llama import LlamaForCausalLM
+    from ferrylm.model.compile.cuda_graphs import CudaGraphRunner
 
     class GraphSafeTorch(TorchNativeBackend):  # stands in for TritonBackend on a CPU-only machine
         supports_cuda_graphs = True

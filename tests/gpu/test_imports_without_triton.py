@@ -13,7 +13,7 @@ import sys
 sys.modules["triton"] = None  # as if it were not installed
 import torch
 import ferrylm.model.attention.triton as t
-import ferrylm.model.cuda_graphs
+import ferrylm.model.compile.cuda_graphs
 from ferrylm.model.attention import AttentionSpec, select_backend
 assert not t.triton_available()
 spec = AttentionSpec(4, 2, 16, 16, torch.float32, torch.device("cuda"))

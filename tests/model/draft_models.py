@@ -38,8 +38,8 @@ def write_checkpoint(directory: Path, config: dict, weights: dict[str, torch.Ten
 def write_truncated(model: str, num_layers: int, directory: Path) -> Path:
     """`model` (an alias or a GGUF / HF path) cut to its first `num_layers` layers, its embedding,
     final norm and LM head kept, dequantized to float32."""
-    from ferrylm.model.loader import Checkpoint
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.loader import Checkpoint
+    from ferrylm.model.loaders.model_source import resolve_model
 
     checkpoint = Checkpoint(resolve_model(model))
     kept = {}

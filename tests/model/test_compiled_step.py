@@ -1,4 +1,4 @@
-"""The compiled CPU decode step (model/compiled_step.py) on a tiny random Llama in bf16: the same
+"""The compiled CPU decode step (model/compile/compiled_step.py) on a tiny random Llama in bf16: the same
 greedy tokens as eager mode over batch sizes that hit both graphs (also with an fp8 KV cache), a
 restart that loads the compiled graphs from the disk cache instead of compiling, and enforce_eager
 turning it off."""
@@ -16,8 +16,8 @@ import torch
 
 from ferrylm.config import CacheConfig
 from ferrylm.model.attention.cpu_kernels import load_cpu_kernels
-from ferrylm.model.loader import Checkpoint
-from ferrylm.model.model_source import resolve_model
+from ferrylm.model.loaders.loader import Checkpoint
+from ferrylm.model.loaders.model_source import resolve_model
 from ferrylm.model.runner import ModelRunner
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -31,8 +31,8 @@ RUNNER_SCRIPT = """
 import json, sys
 import torch
 from ferrylm.config import CacheConfig
-from ferrylm.model.loader import Checkpoint
-from ferrylm.model.model_source import resolve_model
+from ferrylm.model.loaders.loader import Checkpoint
+from ferrylm.model.loaders.model_source import resolve_model
 from ferrylm.model.runner import ModelRunner
 runner = ModelRunner(Checkpoint(resolve_model(sys.argv[1])), CacheConfig(block_size=16, num_blocks=32),
                      torch.bfloat16, torch.device("cpu"), 64, max_num_seqs=4, compile_in_background=False)

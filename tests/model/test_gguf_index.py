@@ -7,8 +7,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from ferrylm.model.gguf_loader import GGUFFile, load_gguf_config
-from ferrylm.model.model_source import resolve_model
+from ferrylm.model.loaders.gguf_loader import GGUFFile, load_gguf_config
+from ferrylm.model.loaders.model_source import resolve_model
 from tests.conftest import requires_smollm2
 
 pytestmark = requires_smollm2

@@ -26,16 +26,16 @@ CHUNK = 1024
 
 @pytest.fixture(scope="module")
 def model():
-    from ferrylm.model.loader import Checkpoint
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.loader import Checkpoint
+    from ferrylm.model.loaders.model_source import resolve_model
 
     return _model(Checkpoint(resolve_model("smollm2-135m")), "none")
 
 
 @pytest.fixture(scope="module")
 def token_ids(model) -> list[int]:
-    from ferrylm.model.loader import Checkpoint
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.loader import Checkpoint
+    from ferrylm.model.loaders.model_source import resolve_model
     from ferrylm.tokenizer import Tokenizer
 
     checkpoint = Checkpoint(resolve_model("smollm2-135m"))

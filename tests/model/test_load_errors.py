@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from ferrylm.model.loader import Checkpoint
-from ferrylm.model.model_source import ModelLoadError, resolve_model
+from ferrylm.model.loaders.loader import Checkpoint
+from ferrylm.model.loaders.model_source import ModelLoadError, resolve_model
 from tests.conftest import requires_smollm2
 from tests.model.tiny_models import make_tiny_model
 
@@ -51,7 +51,7 @@ def test_truncated_safetensors(tmp_path):
     import torch
 
     from ferrylm.model.attention.torch_native import TorchNativeBackend
-    from ferrylm.model.loader import load_model
+    from ferrylm.model.loaders.loader import load_model
 
     directory = make_tiny_model("llama", tmp_path / "m")
     path = directory / "model.safetensors"

@@ -7,8 +7,8 @@ import torch
 
 from ferrylm.config import ConfigError, EngineConfig, QuantConfig
 from ferrylm.model.attention.torch_native import TorchNativeBackend
-from ferrylm.model.loader import Checkpoint, load_model
-from ferrylm.model.model_source import resolve_model
+from ferrylm.model.loaders.loader import Checkpoint, load_model
+from ferrylm.model.loaders.model_source import resolve_model
 from tests.model.tiny_models import make_tiny_model
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrylm.model.gguf_dequant import BLOCK_SIZES, INTEGER_TYPES, GGMLType, dequantize, integer_blocks
+from ferrylm.model.loaders.gguf_dequant import BLOCK_SIZES, INTEGER_TYPES, GGMLType, dequantize, integer_blocks
 from ferrylm.model.quant import packed as packed_mod
 from ferrylm.model.quant.gguf import merge_rows, repack
 from ferrylm.model.quant.kernels import load_quant_kernels
@@ -139,7 +139,7 @@ def test_gguf_repack_is_lossless(kind):
     """Each GGUF block format repacked: dequantize() equals the gguf package's own dequantization,
     the codes unpack to the integers the blocks hold, and the matmul agrees with its twin."""
     gguf = pytest.importorskip("gguf")
-    from ferrylm.model.gguf_loader import GGUFTensor
+    from ferrylm.model.loaders.gguf_loader import GGUFTensor
 
     rng = np.random.default_rng(int(kind))
     raw = _random_blocks(kind, 64, 512, rng)
@@ -158,7 +158,7 @@ def test_gguf_repack_is_lossless(kind):
 
 def test_mixed_formats_in_one_projection_are_segmented():
     """q, k, v of one packed projection in different GGUF formats: runs of one layout, concatenated."""
-    from ferrylm.model.gguf_loader import GGUFTensor
+    from ferrylm.model.loaders.gguf_loader import GGUFTensor
 
     rng = np.random.default_rng(5)
     parts = [repack(GGUFTensor(int(k), torch.from_numpy(_random_blocks(k, r, 256, rng)), (r, 256)), KERNELS)
@@ -175,9 +175,9 @@ def test_default_model_tensors_repack_losslessly():
     """Every tensor type the default model file holds (Q4_1 linears, Q8_0 tied embedding / lm_head;
     F32 norms stay float): repacked codes are the file's integers, scales / mins its fp16 values, and the
     matmuls agree with their twins on these real weights."""
-    from ferrylm.model.gguf_dequant import GGMLType
-    from ferrylm.model.gguf_loader import GGUFFile, _raw_tensor
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.gguf_dequant import GGMLType
+    from ferrylm.model.loaders.gguf_loader import GGUFFile, _raw_tensor
+    from ferrylm.model.loaders.model_source import resolve_model
 
     path = resolve_model("smollm2-135m").path
     gguf = GGUFFile(path)

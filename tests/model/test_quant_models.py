@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ferrylm.config import QuantConfig
+from ferrylm.model.arch.layers import Linear
 from ferrylm.model.attention.torch_native import TorchNativeBackend
 from ferrylm.model.forward_batch import ForwardBatch
-from ferrylm.model.layers import Linear
-from ferrylm.model.loader import Checkpoint, load_model
-from ferrylm.model.model_source import resolve_model
+from ferrylm.model.loaders.loader import Checkpoint, load_model
+from ferrylm.model.loaders.model_source import resolve_model
 from tests.model.tiny_models import make_tiny_model
 
 BLOCK = 16

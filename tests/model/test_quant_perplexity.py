@@ -30,8 +30,8 @@ BOUND = 1.01  # quantized perplexity at most 1% above the dequantized bf16 model
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    from ferrylm.model.loader import Checkpoint
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.loader import Checkpoint
+    from ferrylm.model.loaders.model_source import resolve_model
 
     return Checkpoint(resolve_model("smollm2-135m"))
 
@@ -48,7 +48,7 @@ def token_ids(checkpoint) -> list[int]:
 def _model(checkpoint, quantization: str):
     from ferrylm.model.attention import AttentionSpec, select_backend
     from ferrylm.model.attention.cpu import cpu_fused_ops
-    from ferrylm.model.loader import load_model
+    from ferrylm.model.loaders.loader import load_model
 
     cpu = torch.device("cpu")
     backend = select_backend(AttentionSpec.for_model(checkpoint.config, BLOCK, torch.bfloat16, cpu))

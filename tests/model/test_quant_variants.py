@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrylm.model.cpu_isa import BY_NAME, this_cpu
+from ferrylm.model.cpu.cpu_isa import BY_NAME, this_cpu
 from ferrylm.model.quant.kernels import load_quant_kernels
 from ferrylm.model.quant.layout import dequantize_packed, expand_groups, pack_q4, unpack_q4
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from ferrylm.model.schema_policy import ENFORCED
+from ferrylm.model.structured.schema_policy import ENFORCED
 from tests.conftest import requires_smollm2
 
 # ~20 s per keyword on 2 cores: run with FERRYLM_KEYWORD_PROBE=1 when xgrammar or the policy changes
@@ -45,7 +45,7 @@ CASES = {
 def backend():
     import xgrammar
 
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.model_source import resolve_model
     from ferrylm.tokenizer import Tokenizer
 
     tok = Tokenizer.load(resolve_model("smollm2-135m"))

@@ -214,7 +214,7 @@ def test_guided_requests_speculate_and_keep_their_output(llm_fp32):
 def test_draft_rows_are_masked_by_the_grammar_after_each_guess(llm_fp32):
     """mask_draft_rows: row j allows what the grammar allows after the first j guesses, the draft is
     cut at the first guess the grammar refuses, and the matcher ends where it started."""
-    from ferrylm.model.structured_output import mask_draft_rows, new_matcher
+    from ferrylm.model.structured.structured_output import mask_draft_rows, new_matcher
     from ferrylm.sampling_params import StructuredOutputsParams as Spec
 
     tok = llm_fp32.get_tokenizer()

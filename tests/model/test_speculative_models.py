@@ -196,7 +196,7 @@ def test_random_add_step_abort_with_model_drafts(tiny_runs, ops, method):
 
 
 def test_configs_that_cannot_work_with_the_target_are_errors(tmp_path, tiny_drafts):
-    from ferrylm.model.draft_setup import check_against_target
+    from ferrylm.model.spec.draft_setup import check_against_target
 
     with pytest.raises(ConfigError, match="num_layers 2 must be below"):
         check_against_target(SpeculativeConfig("layer_skip", 2, num_layers=2), TINY)

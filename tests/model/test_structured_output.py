@@ -13,8 +13,8 @@ from ferrylm.config import SchedulerConfig
 from ferrylm.engine.block_manager import BlockManager
 from ferrylm.engine.request import Request
 from ferrylm.engine.scheduler import RequestRejected, Scheduler
-from ferrylm.model.schema_policy import check_schema
-from ferrylm.model.structured_output import StructuredOutputError, choice_grammar
+from ferrylm.model.structured.schema_policy import check_schema
+from ferrylm.model.structured.structured_output import StructuredOutputError, choice_grammar
 from ferrylm.outputs import FinishReason
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.sampling_params import StructuredOutputsParams as Spec
@@ -124,8 +124,8 @@ def test_grammar_failing_after_queueing_aborts_only_that_request(llm_fp32) -> No
 def test_a_compile_past_its_budget_is_stopped_and_the_next_one_still_runs() -> None:
     """The compile runs in a worker process: past the budget it is killed and answered with an error
     naming the field; a compile nobody waits for any more is stopped; the compiler keeps serving."""
-    from ferrylm.model.model_source import resolve_model
-    from ferrylm.model.structured_output import GrammarCompiler, GrammarLimits
+    from ferrylm.model.loaders.model_source import resolve_model
+    from ferrylm.model.structured.structured_output import GrammarCompiler, GrammarLimits
     from ferrylm.tokenizer import Tokenizer
 
     tok = Tokenizer.load(resolve_model("smollm2-135m"))

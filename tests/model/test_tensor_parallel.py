@@ -14,7 +14,7 @@ import pytest
 
 from ferrylm import LLM, SamplingParams
 from ferrylm.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
-from ferrylm.model.parallel import shard_plan
+from ferrylm.model.parallel.tp import shard_plan
 from tests.conftest import requires_smollm2
 from tests.model.tiny_models import add_word_tokenizer, make_tiny_model
 

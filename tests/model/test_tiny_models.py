@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ferrylm.model.forward_batch import ForwardBatch
-from ferrylm.model.loader import Checkpoint, load_model
-from ferrylm.model.model_source import resolve_model
+from ferrylm.model.loaders.loader import Checkpoint, load_model
+from ferrylm.model.loaders.model_source import resolve_model
 from tests.model.tiny_models import make_tiny_model
 
 transformers = pytest.importorskip("transformers")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ferrylm.model.arch.layers import RMSNorm, RotaryEmbedding
 from ferrylm.model.attention.cpu_kernels import load_cpu_kernels
-from ferrylm.model.layers import RMSNorm, RotaryEmbedding
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ toolchain unavailable; plain torch is used")

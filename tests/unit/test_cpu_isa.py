@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from ferrylm.config import ConfigError
-from ferrylm.model import compile_cache, cpu_isa, kernel_build
-from ferrylm.model.cpu_isa import BY_NAME, CpuInfo, read_cpu_flags, select_variant
+from ferrylm.model.compile import compile_cache
+from ferrylm.model.cpu import cpu_isa, kernel_build
+from ferrylm.model.cpu.cpu_isa import BY_NAME, CpuInfo, read_cpu_flags, select_variant
 
 AVX2_ONLY = CpuInfo("x86_64", "AMD EPYC 7B12", frozenset(
     "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 popcnt".split()))

@@ -17,11 +17,11 @@ from functools import cache
 import pytest
 import torch
 
+from ferrylm.model.arch.layers import RMSNorm, RotaryEmbedding
 from ferrylm.model.attention import kv_quant
 from ferrylm.model.attention.cpu_kernels import load_cpu_kernels
 from ferrylm.model.attention.torch_native import gather_kv, write_kv
-from ferrylm.model.cpu_isa import BY_NAME, this_cpu
-from ferrylm.model.layers import RMSNorm, RotaryEmbedding
+from ferrylm.model.cpu.cpu_isa import BY_NAME, this_cpu
 from tests.unit.test_kv_cache_quant import _rows
 
 VARIANTS = ("portable", "avx2", "avx512_bf16")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.model.cpu_threads import cgroup_cpu_limit, configure_cpu_threads, physical_cores
+from ferrylm.model.cpu.cpu_threads import cgroup_cpu_limit, configure_cpu_threads, physical_cores
 
 
 def _topology(root, cpu: int, package: int, core: int) -> None:

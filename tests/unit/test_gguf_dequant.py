@@ -1,4 +1,4 @@
-"""Tests for ferrylm.model.gguf_dequant against gguf's numpy reference."""
+"""Tests for ferrylm.model.loaders.gguf_dequant against gguf's numpy reference."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as ref_dequantize  # noqa: E402
 from gguf.quants import quantize as ref_quantize  # noqa: E402
 
-from ferrylm.model.gguf_dequant import (  # noqa: E402
+from ferrylm.model.loaders.gguf_dequant import (  # noqa: E402
     BLOCK_SIZES,
     SUPPORTED_TYPES,
     GGMLType,
@@ -162,7 +162,7 @@ def test_module_does_not_need_gguf() -> None:
     code = (
         "import sys; sys.modules['gguf'] = None\n"
         "import numpy as np\n"
-        "from ferrylm.model.gguf_dequant import dequantize, GGMLType\n"
+        "from ferrylm.model.loaders.gguf_dequant import dequantize, GGMLType\n"
         "raw = np.zeros(34, dtype=np.uint8)\n"
         "assert dequantize(raw, GGMLType.Q8_0, (32,)).shape == (32,)\n"
     )

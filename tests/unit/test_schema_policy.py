@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ferrylm.model.schema_policy import ENFORCED, SchemaLimits, check_schema, has_finite_instance
+from ferrylm.model.structured.schema_policy import ENFORCED, SchemaLimits, check_schema, has_finite_instance
 
 NOT_ENFORCED = ["allOf", "oneOf", "not", "if", "dependentSchemas", "contains", "propertyNames", "patternProperties",
                 "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties", "dependentRequired",

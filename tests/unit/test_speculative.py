@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrylm.model.speculative import NgramProposer, rejection_sample, verify_greedy
+from ferrylm.model.spec.speculative import NgramProposer, rejection_sample, verify_greedy
 
 DRAWS, V, K = 60_000, 8, 2
 

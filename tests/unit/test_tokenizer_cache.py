@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ferrylm.model.model_source import resolve_model
+from ferrylm.model.loaders.model_source import resolve_model
 from ferrylm.tokenizer import Tokenizer, _cache_dir
 from tests.conftest import requires_smollm2
 

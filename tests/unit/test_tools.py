@@ -84,7 +84,7 @@ TOOLS_TEMPLATE = ("{% for t in tools or [] %}TOOL:{{ t.function.name }}\n{% endf
 def test_a_template_that_knows_tools_gets_them_and_argument_objects() -> None:
     from ferrylm.http.prompt_ids import render_messages
     from ferrylm.http.protocol import ChatMessage
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.model_source import resolve_model
     from ferrylm.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(resolve_model("smollm2-135m"), (2,))

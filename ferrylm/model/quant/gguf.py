@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrylm.model.gguf_dequant import INTEGER_TYPES, GGMLType, integer_blocks
+from ferrylm.model.loaders.gguf_dequant import INTEGER_TYPES, GGMLType, integer_blocks
 from ferrylm.model.quant.base import StoredWeightMethod
 from ferrylm.model.quant.layout import pack_q4
 from ferrylm.model.quant.packed import FloatWeight, PackedWeight, SegmentedWeight, UnpackBuffer

@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.model.cpu_isa import BY_NAME, select_variant
-from ferrylm.model.kernel_build import build_library, op_namespace
-from ferrylm.model.op_fakes import register_fakes
+from ferrylm.model.compile.op_fakes import register_fakes
+from ferrylm.model.cpu.cpu_isa import BY_NAME, select_variant
+from ferrylm.model.cpu.kernel_build import build_library, op_namespace
 
 log = logging.getLogger("ferrylm.kernels")
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
+from ferrylm.model.arch.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from ferrylm.model.attention.base import AttentionBackend
 from ferrylm.model.forward_batch import ForwardBatch
-from ferrylm.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from ferrylm.model.quant.base import QuantMethod, UnquantizedMethod
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ferrylm.model.cpu_isa import CpuInfo, IsaVariant, this_cpu
+from ferrylm.model.cpu.cpu_isa import CpuInfo, IsaVariant, this_cpu
 
 log = logging.getLogger("ferrylm.kernels")
 

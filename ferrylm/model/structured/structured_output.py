@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ferrylm.model.grammar_worker import CompileCancelled, CompileTimeout, CompileWorker, tokenizer_info_json
-from ferrylm.model.schema_policy import SchemaLimits, check_schema
+from ferrylm.model.structured.grammar_worker import CompileCancelled, CompileTimeout, CompileWorker, tokenizer_info_json
+from ferrylm.model.structured.schema_policy import SchemaLimits, check_schema
 from ferrylm.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger("ferrylm.structured_output")

@@ -133,7 +133,7 @@ class ShardedCheckpoint:
     def _safetensors_slices(self, directory: Any):
         from safetensors import safe_open
 
-        from ferrylm.model.hf_loader import _shard_files
+        from ferrylm.model.loaders.hf_loader import _shard_files
 
         for path in _shard_files(directory):
             with safe_open(str(path), framework="pt") as f:

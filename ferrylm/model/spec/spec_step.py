@@ -13,7 +13,6 @@ import torch
 
 from ferrylm.config import SpeculativeConfig
 from ferrylm.executor import TokenLogprobs
-from ferrylm.model.draft_proposer import Draft, DraftInput, ModelProposer
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.sampler import (
     SamplingBatch,
@@ -23,8 +22,9 @@ from ferrylm.model.sampler import (
     rows_logprobs,
     sampling_probs,
 )
-from ferrylm.model.speculative import DraftBackoff, NgramProposer, rejection_sample, verify_greedy
-from ferrylm.model.structured_output import mask_draft_rows
+from ferrylm.model.spec.draft_proposer import Draft, DraftInput, ModelProposer
+from ferrylm.model.spec.speculative import DraftBackoff, NgramProposer, rejection_sample, verify_greedy
+from ferrylm.model.structured.structured_output import mask_draft_rows
 from ferrylm.scheduler_output import ScheduledRequest
 
 log = logging.getLogger("ferrylm.runner")

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.model.cpu_isa import CpuInfo, select_variant, this_cpu
+from ferrylm.model.cpu.cpu_isa import CpuInfo, select_variant, this_cpu
 from ferrylm.model.device import cpu_has_bf16, resolve_dtype
 
 

@@ -10,9 +10,9 @@ import logging
 import torch
 
 from ferrylm.config import ConfigError, ModelConfig, SpeculativeConfig
-from ferrylm.model.draft_proposer import ModelProposer, draft_kv_bytes_per_block
-from ferrylm.model.llama import LlamaForCausalLM
-from ferrylm.model.spec_step import max_spec_batch
+from ferrylm.model.arch.llama import LlamaForCausalLM
+from ferrylm.model.spec.draft_proposer import ModelProposer, draft_kv_bytes_per_block
+from ferrylm.model.spec.spec_step import max_spec_batch
 
 log = logging.getLogger("ferrylm.runner")
 
@@ -61,8 +61,8 @@ def check_against_target(spec: SpeculativeConfig, target: ModelConfig) -> None:
 def check_startup(spec: SpeculativeConfig, model: str) -> None:
     """check_against_target for `model` (the target's alias or path); a target that does not resolve
     is left to the engine's own load error."""
-    from ferrylm.model.loader import Checkpoint
-    from ferrylm.model.model_source import ModelLoadError, resolve_model
+    from ferrylm.model.loaders.loader import Checkpoint
+    from ferrylm.model.loaders.model_source import ModelLoadError, resolve_model
 
     try:
         target = Checkpoint(resolve_model(model)).config
@@ -73,8 +73,8 @@ def check_startup(spec: SpeculativeConfig, model: str) -> None:
 
 def _draft_checkpoint(spec: SpeculativeConfig):
     """The draft model's checkpoint (config now, weights on demand); a missing model is a ConfigError."""
-    from ferrylm.model.loader import Checkpoint
-    from ferrylm.model.model_source import ModelLoadError, resolve_model
+    from ferrylm.model.loaders.loader import Checkpoint
+    from ferrylm.model.loaders.model_source import ModelLoadError, resolve_model
 
     try:
         return Checkpoint(resolve_model(spec.model or ""))
@@ -86,7 +86,7 @@ def _load_draft(spec: SpeculativeConfig, block_size: int, max_model_len: int, dt
                 device: torch.device, attention: str) -> LlamaForCausalLM:
     from ferrylm.model.attention import AttentionSpec, select_backend
     from ferrylm.model.attention.cpu import cpu_fused_ops
-    from ferrylm.model.loader import load_model
+    from ferrylm.model.loaders.loader import load_model
 
     checkpoint = _draft_checkpoint(spec)
     config = checkpoint.config

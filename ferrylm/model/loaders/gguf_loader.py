@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from ferrylm.config import ModelConfig
-from ferrylm.model.gguf_dequant import BLOCK_SIZES, GGMLType, as_bytes, dequantize
-from ferrylm.model.model_source import ModelLoadError
+from ferrylm.model.loaders.gguf_dequant import BLOCK_SIZES, GGMLType, as_bytes, dequantize
+from ferrylm.model.loaders.model_source import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ferrylm.model.cpu_isa import CpuInfo, select_variant, this_cpu
+from ferrylm.model.cpu.cpu_isa import CpuInfo, select_variant, this_cpu
 
 log = logging.getLogger("ferrylm.compile")
 

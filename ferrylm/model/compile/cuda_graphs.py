@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from ferrylm.model.arch.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.forward_batch import ForwardBatch
-from ferrylm.model.llama import KVCache, LlamaForCausalLM
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ferrylm.config import ModelConfig
-from ferrylm.model.model_source import ModelLoadError
+from ferrylm.model.loaders.model_source import ModelLoadError
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

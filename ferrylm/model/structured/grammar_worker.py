@@ -40,7 +40,7 @@ def _recv(stream: IO[bytes]) -> Any:
 
 
 def _serve() -> None:
-    """The child (`python -m ferrylm.model.grammar_worker`): the tokenizer info first, then each
+    """The child (`python -m ferrylm.model.structured.grammar_worker`): the tokenizer info first, then each
     [kind, payload, any_whitespace] → ["ok", serialized grammar] or ["error", message]."""
     try:
         os.nice(NICE)
@@ -77,7 +77,7 @@ class CompileWorker:
     multiprocessing's spawn would do); `compile` is called by one thread at a time."""
 
     def __init__(self, tokenizer_info_json: str):
-        self._proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.grammar_worker"],
+        self._proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.structured.grammar_worker"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._in, self._out = self._proc.stdin, self._proc.stdout

@@ -9,9 +9,9 @@ from typing import Any
 
 from ferrylm.config import EngineConfig
 from ferrylm.executor import BuiltExecutor, ModelOutput
-from ferrylm.model.parallel import TPGroup
+from ferrylm.model.parallel.tp import TPGroup
+from ferrylm.model.parallel.tp_worker import Rendezvous, SpawnedRanks, build_runner, from_torchrun
 from ferrylm.model.runner import ModelRunner
-from ferrylm.model.tp_worker import Rendezvous, SpawnedRanks, build_runner, from_torchrun
 from ferrylm.scheduler_output import SchedulerOutput
 
 

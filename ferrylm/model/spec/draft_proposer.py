@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 from ferrylm.config import ModelConfig
+from ferrylm.model.arch.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.forward_batch import ForwardBatch
-from ferrylm.model.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.sampler import (
     SamplingBatch,
     SamplingRequestState,

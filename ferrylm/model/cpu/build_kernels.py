@@ -1,4 +1,4 @@
-"""`python -m ferrylm.model.build_kernels [variant ...]`: build the C++ kernels ahead of the first start.
+"""`python -m ferrylm.model.cpu.build_kernels [variant ...]`: build the C++ kernels ahead of the first start.
 
 `make setup` runs it, so `make serve` finds them built (each library takes ~20-40 s to compile on 2
 cores, per instruction-set variant). Without arguments it builds the variant this CPU would load
@@ -12,7 +12,7 @@ import sys
 import time
 
 from ferrylm.model.attention.cpu_kernels import load_cpu_kernels
-from ferrylm.model.cpu_isa import select_variant, this_cpu
+from ferrylm.model.cpu.cpu_isa import select_variant, this_cpu
 from ferrylm.model.quant.kernels import load_quant_kernels
 
 

@@ -8,10 +8,10 @@ from collections.abc import Iterable
 import torch
 
 from ferrylm.config import ModelConfig, QuantConfig
+from ferrylm.model.arch.layers import Linear
+from ferrylm.model.arch.llama import LlamaForCausalLM
 from ferrylm.model.attention.base import AttentionBackend
-from ferrylm.model.layers import Linear
-from ferrylm.model.llama import LlamaForCausalLM
-from ferrylm.model.model_source import ModelLoadError, ModelSource
+from ferrylm.model.loaders.model_source import ModelLoadError, ModelSource
 from ferrylm.model.quant import select_quant_method
 
 # checkpoint projection → (packed parameter, shard index)
@@ -25,22 +25,22 @@ class Checkpoint:
     def __init__(self, source: ModelSource):
         self.source = source
         if source.kind == "gguf":
-            from ferrylm.model.gguf_loader import GGUFFile, load_gguf_config
+            from ferrylm.model.loaders.gguf_loader import GGUFFile, load_gguf_config
 
             self._gguf = GGUFFile(source.path)
             self.config = load_gguf_config(self._gguf, source.name)
         else:
-            from ferrylm.model.hf_loader import load_hf_config
+            from ferrylm.model.loaders.hf_loader import load_hf_config
 
             self.config = load_hf_config(source.path, source.name)
 
     def weights(self) -> Iterable[tuple[str, object]]:
         """(name, float tensor) pairs, or for GGUF 2-D tensors still in their blocks (GGUFTensor)."""
         if self.source.kind == "gguf":
-            from ferrylm.model.gguf_loader import iter_gguf_weights
+            from ferrylm.model.loaders.gguf_loader import iter_gguf_weights
 
             return iter_gguf_weights(self._gguf, self.config)
-        from ferrylm.model.hf_loader import iter_hf_weights
+        from ferrylm.model.loaders.hf_loader import iter_hf_weights
 
         return iter_hf_weights(self.source.path)
 

@@ -29,10 +29,10 @@ from typing import NamedTuple
 
 import torch
 
-from ferrylm.model.compile_cache import compile_cache_dir, inductor_cache_dir, load_step, save_step, step_key
-from ferrylm.model.cuda_graphs import StaticDecodeInputs
+from ferrylm.model.arch.llama import KVCache, LlamaForCausalLM
+from ferrylm.model.compile.compile_cache import compile_cache_dir, inductor_cache_dir, load_step, save_step, step_key
+from ferrylm.model.compile.cuda_graphs import StaticDecodeInputs
 from ferrylm.model.forward_batch import ForwardBatch
-from ferrylm.model.llama import KVCache, LlamaForCausalLM
 
 log = logging.getLogger("ferrylm.compile")
 

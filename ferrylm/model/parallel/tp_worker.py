@@ -48,11 +48,11 @@ def from_torchrun(world: int, environ: Mapping[str, str] | None = None) -> Rende
 
 def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, int]:
     """(ModelRunner, ModelSource, max_model_len) of `config`, for one rank when `tp_group` is given."""
-    from ferrylm.model.cpu_plan import plan_cpu
-    from ferrylm.model.cpu_threads import configure_cpu_threads
+    from ferrylm.model.cpu.cpu_plan import plan_cpu
+    from ferrylm.model.cpu.cpu_threads import configure_cpu_threads
     from ferrylm.model.device import resolve_device, resolve_dtype
-    from ferrylm.model.loader import Checkpoint
-    from ferrylm.model.model_source import resolve_model
+    from ferrylm.model.loaders.loader import Checkpoint
+    from ferrylm.model.loaders.model_source import resolve_model
     from ferrylm.model.runner import ModelRunner
 
     source = resolve_model(config.model)
@@ -74,7 +74,7 @@ def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, 
 def worker_loop(config: EngineConfig, place: Rendezvous) -> None:
     """Rank place.rank > 0: build the shard, then run every step rank 0 broadcasts until it says stop
     (None) or goes away."""
-    from ferrylm.model.parallel import TPGroup
+    from ferrylm.model.parallel.tp import TPGroup
 
     group = TPGroup(place.host, place.port, place.rank, place.world, agent_store=place.agent_store)
     runner, _, _ = build_runner(config, group)
@@ -91,13 +91,13 @@ def worker_loop(config: EngineConfig, place: Rendezvous) -> None:
 
 class SpawnedRanks:
     """Ranks 1..world-1 as child processes of this one (the engine is rank 0): `python -m
-    ferrylm.model.tp_worker`, the config pickled on stdin, so nothing re-runs the caller's __main__."""
+    ferrylm.model.parallel.tp_worker`, the config pickled on stdin, so nothing re-runs the caller's __main__."""
 
     def __init__(self, config: EngineConfig, world: int):
         self.port = _free_port()
         self.procs = []
         for rank in range(1, world):
-            proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.tp_worker"], stdin=subprocess.PIPE)
+            proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.parallel.tp_worker"], stdin=subprocess.PIPE)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps((config, Rendezvous("127.0.0.1", self.port, rank, world))))
             proc.stdin.close()

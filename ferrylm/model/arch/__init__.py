@@ -1,0 +1,1 @@
+"""Model architectures (the Llama family) and their layers."""

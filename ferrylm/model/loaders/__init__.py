@@ -1,0 +1,1 @@
+"""Loading checkpoints: model sources, GGUF and safetensors readers, dequantization."""

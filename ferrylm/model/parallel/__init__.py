@@ -1,0 +1,1 @@
+"""Tensor parallelism: shard plans, the process group, spawned ranks and the executor."""

@@ -1,0 +1,1 @@
+"""Structured output: the grammar compiler, its worker process, the JSON-schema policy."""
