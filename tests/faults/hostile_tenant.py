@@ -113,7 +113,7 @@ async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int
     quiet_itl: list[float] = []
     attacked_itl: list[float] = []
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
-        baseline = [await _victim_round(http, keys["victim"], []) for _ in range(1)]  # warm-up: ITL not counted
+        baseline = [await _victim_round(http, keys["victim"], [])]  # warm-up: ITL not counted
         baseline += [await _victim_round(http, keys["victim"], quiet_itl) for _ in range(rounds)]
         stop = asyncio.Event()
         attacker = asyncio.create_task(_attacker(server, keys["attacker"], stop))

@@ -112,9 +112,10 @@ class GrammarCompiler:
                                                         thread_name_prefix="ferrylm-grammar")
                 self._executor.submit(self._run, job)
                 self._evict()
-            known = self._live.get(spec.ref())
+            ref = spec.ref()
+            known = self._live.get(ref)
             if known is None or not known.done() or known.cancelled() or known.exception() is not None:
-                self._live[spec.ref()] = job.future  # a compiled one stays: requests scheduled with it use it
+                self._live[ref] = job.future  # a compiled one stays: requests scheduled with it use it
             return job.future
 
     def compiled(self, ref: str) -> Any:
