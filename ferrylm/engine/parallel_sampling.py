@@ -17,9 +17,11 @@ from ferrylm.sampling_params import SamplingParams
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Params of the index-th of n samples: n=1, and seed + index when the parent is seeded (the
-    samples differ from each other, yet a seeded request still reproduces)."""
+    samples differ from each other, yet a seeded request still reproduces). Only the first sample
+    scores the prompt (prompt_logprobs): the n share one prompt, so the others take its prefix
+    cache instead of computing and scoring every position again."""
     seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class ParentRequest:
         self.params = params
         self.n = params.n
         self._children = [_ChildOutput() for _ in range(self.n)]
+        self.prompt_logprobs: PromptLogprobs | None = None  # child 0 scores the prompt for all n
 
     def child_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -81,11 +84,16 @@ class ParentRequest:
     def add(self, index: int, delta: RequestOutput) -> None:
         """Record one of child `index`'s outputs (a delta)."""
         self._children[index].add(delta)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
     def child_output(self, index: int) -> RequestOutput | None:
         """Child `index` so far as one cumulative output (outputs[0].index = index); None before its first."""
         child = self._children[index]
-        return None if child.latest is None else child.cumulative(index)
+        if child.latest is None:
+            return None
+        out = child.cumulative(index)
+        return out if self.prompt_logprobs is None else dataclasses.replace(out, prompt_logprobs=self.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -104,6 +112,6 @@ class ParentRequest:
         if len(outs) < self.n:
             raise ValueError(f"request {self.request_id!r}: a child has produced no output yet")
         first = outs[0]
-        prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, [o.outputs[0] for o in outs],
-                             all(o.finished for o in outs), first.num_cached_tokens, first.metrics, prompt_logprobs)
+                             all(o.finished for o in outs), first.num_cached_tokens, first.metrics,
+                             self.prompt_logprobs)

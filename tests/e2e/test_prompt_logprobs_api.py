@@ -55,6 +55,21 @@ def test_echo_logprobs_then_generated_tokens(api_server):
     assert lp["text_offset"][n_prompt] == len(TEXT)  # generated tokens start after the echoed text
 
 
+def test_scoring_with_n_gives_every_choice_the_prompt_scores(api_server, offline):
+    """n > 1 scores the prompt once (the other samples reuse its blocks), yet every choice carries
+    the prompt's logprobs, and the usage bills the prompt once."""
+    ids, want = offline
+    r = _post(api_server, {"prompt": TEXT, "max_tokens": 2, "echo": True, "logprobs": 1, "n": 3,
+                           "prompt_logprobs": 2, "temperature": 0.7, "seed": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 3 and body["usage"]["prompt_tokens"] == len(ids)
+    for choice in body["choices"]:
+        lp = choice["logprobs"]["token_logprobs"]
+        assert all(abs(lp[p] - want[p][ids[p]].logprob) < 1e-4 for p in range(1, len(ids)))
+        assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(ids)
+
+
 def test_vllm_prompt_logprobs_field(api_server, offline):
     ids, want = offline
     r = _post(api_server, {"prompt": TEXT, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0})

@@ -77,6 +77,22 @@ def test_max_tokens_zero_scores_the_prompt_and_ends(llm_fp32):
     assert not engine.block_manager.tables  # no request holds blocks
 
 
+def test_n_samples_score_the_prompt_once(llm_fp32, hf_reference):
+    """n > 1 with prompt logprobs (lm-evaluation-harness's echo scoring with n, or a hostile fan-out):
+    one sample computes and scores the prompt, the others take its cached blocks, and every
+    choice carries the same prompt logprobs."""
+    engine = engine_like(llm_fp32, max_num_batched_tokens=16, enable_prefix_caching=True)
+    llm = type(llm_fp32).from_engine(engine)
+    ids = llm_fp32.get_tokenizer().encode(TEXTS[2])
+    hits = engine.scheduler.prefix_cache_hits
+    [out] = llm.generate([{"prompt_token_ids": ids}], SamplingParams(n=4, max_tokens=0, prompt_logprobs=2, seed=0),
+                         use_tqdm=False)
+    _check(out.prompt_logprobs, ids, _reference(hf_reference, ids), k=2)
+    full = (len(ids) - 1) // 16 * 16  # full blocks of the prompt but the last token's
+    assert engine.scheduler.prefix_cache_hits - hits >= 3 * full  # three samples computed almost nothing
+    assert len(out.outputs) == 4 and all(c.token_ids == [] for c in out.outputs)
+
+
 @pytest.mark.parametrize("value", [-1, 21, 1.5])
 def test_prompt_logprobs_out_of_range_is_refused(value):
     from ferrylm.sampling_params import SamplingParamsError

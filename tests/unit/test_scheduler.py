@@ -222,3 +222,22 @@ def test_draft_scheduling_acceptance_trim_and_stops():
     s.update(out, {"b": 9}, {"b": [3, 5]})  # EOS accepted mid-draft: nothing after it
     assert holder.output_token_ids == [7, 3] and holder.finish_reason == FinishReason.STOP
     assert s.block_manager.num_free_blocks == 32
+
+
+def test_same_prompt_is_prefilled_once():
+    """n > 1 siblings (or a retry) of a prompt longer than one step's budget: the first computes
+    it; the budget keeps the others waiting until its last chunk, whose step registers every full
+    block, so they find all of them cached and the prompt is prefilled once."""
+    s = make(num_blocks=64, budget=8)
+    reqs = {rid: req(rid, n_prompt=22, max_tokens=2) for rid in ("a", "b", "c")}
+    for r in reqs.values():
+        s.add_request(r)
+    computed = {"a": 0, "b": 0, "c": 0}
+    for _ in range(12):
+        for item in step(s).scheduled:
+            computed[item.request_id] += len(item.token_ids)
+    assert computed["a"] == 22 + 1  # its prompt, then one decode
+    assert computed["b"] < 8 and computed["c"] < 8  # the tail past the last full block, and a decode
+    assert reqs["b"].num_cached_tokens == 20 and reqs["c"].num_cached_tokens == 20
+    assert all(r.is_finished for r in reqs.values())
+
