@@ -1,4 +1,4 @@
-"""Our paged-KV model vs transformers on tiny random Llama, Qwen2 and Mistral checkpoints."""
+"""Our paged-KV model vs transformers on tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _reference_logits(directory, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["torch-native", "cpu-kernels"])
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_varlen_batch_matches_transformers(kind, fast, tmp_path):
     directory = make_tiny_model(kind, tmp_path / kind)
     model, caches = _ours(directory, fast)
@@ -92,3 +92,58 @@ def test_sharded_checkpoint_loads(tmp_path):
         b = ForwardBatch.build([prompt], [0], [[0, 1, 2]], BLOCK)
         got = model.compute_logits(model(b, caches)[b.logits_indices])[0]
     assert (got - _reference_logits(directory, prompt)[-1]).abs().max().item() < 1e-4
+
+
+def _write_qwen3_gguf(path, directory, kind_of) -> None:
+    """The tiny Qwen3's weights as a llama.cpp-style "qwen3" GGUF (q/k not permuted, per-head q/k
+    norms as attn_q_norm / attn_k_norm); `kind_of(gguf_name)` picks each 2-D tensor's block format."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    T = gguf.GGMLQuantizationType
+    weights = load_file(str(directory / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    for add, value in [(writer.add_context_length, 512), (writer.add_embedding_length, 64), (writer.add_block_count, 2),
+                       (writer.add_feed_forward_length, 128), (writer.add_head_count, 4),
+                       (writer.add_head_count_kv, 2), (writer.add_key_length, 32), (writer.add_value_length, 32),
+                       (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_rope_freq_base, 10000.0),
+                       (writer.add_vocab_size, 320), (writer.add_eos_token_id, 2)]:
+        add(value)
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        array, kind = tensor.float().numpy(), (kind_of(name) if tensor.dim() == 2 else T.F32)
+        if kind == T.F32:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+
+    put("token_embd.weight", weights["model.embed_tokens.weight"])
+    put("output_norm.weight", weights["model.norm.weight"])
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    for i in range(2):
+        for gguf_name, hf_name in names.items():
+            put(f"blk.{i}.{gguf_name}.weight", weights[f"model.layers.{i}.{hf_name}.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_gguf_matches_transformers(tmp_path):
+    """A "qwen3" GGUF in float32 gives transformers' logits on the same weights; with Q8_0 linears
+    (kept packed) the logits stay within quantization error of them."""
+    gguf = pytest.importorskip("gguf")
+    directory = make_tiny_model("qwen3", tmp_path / "qwen3")
+    prompt = list(range(3, 60))
+    expected = _reference_logits(directory, prompt)
+    for name, kind, tol in [("f32", gguf.GGMLQuantizationType.F32, 1e-4), ("q8", gguf.GGMLQuantizationType.Q8_0, 5e-2)]:
+        path = tmp_path / f"{name}.gguf"
+        _write_qwen3_gguf(path, directory, lambda _, kind=kind: kind)
+        model, caches = _ours(path, fast=True)
+        assert model.config.architecture == "qwen3" and model.config.head_dim == 32
+        with torch.no_grad():
+            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
+        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name

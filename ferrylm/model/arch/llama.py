@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Shapes: T = tokens in the flat batch, H = query heads, Hkv = KV heads, D = head dim.
 Q/K/V and gate/up projections are packed into one matmul each.
@@ -34,14 +34,19 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.rotary = rotary  # shared across layers, not owned
         self.backend = backend
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) D]
-        rotated = self.rotary.rotate_packed_(batch.positions, qkv, self.num_heads + self.num_kv_heads, self.head_dim)
+        rotated = self.q_norm is None and self.rotary.rotate_packed_(batch.positions, qkv,
+                                                                     self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = self.rotary(batch.positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)

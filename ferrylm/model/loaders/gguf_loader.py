@@ -19,13 +19,15 @@ from ferrylm.config import ModelConfig
 from ferrylm.model.loaders.gguf_dequant import BLOCK_SIZES, GGMLType, as_bytes, dequantize
 from ferrylm.model.loaders.model_source import ModelLoadError
 
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -186,6 +188,7 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
         max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in gguf.tensor_names(),
         attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         bos_token_id=gguf.field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
         name=name,

@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -58,6 +59,7 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
+        qk_norm=arch == "qwen3",
         bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
         eos_token_ids=eos_ids,
         name=name,
