@@ -14,7 +14,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Shape of a Llama-family transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,6 +29,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (head_dim wide) before RoPE
+    rotary_dim: int | None = None  # dims of a head that RoPE rotates (Phi's partial_rotary_factor); None: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"

@@ -5,6 +5,8 @@ tokens as transformers' greedy loop on the same weights, logprobs within 1e-4.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ def _greedy_reference(directory, prompt: list[int]) -> tuple[list[int], list[flo
     return ids[len(prompt):], logprobs
 
 
-@pytest.mark.parametrize("kind", ["qwen3"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
 def test_greedy_equals_transformers_batched_with_prefix_cache_and_chunks(kind, tmp_path):
     from ferrylm import LLM
 
@@ -45,3 +47,25 @@ def test_greedy_equals_transformers_batched_with_prefix_cache_and_chunks(kind, t
         got = out.outputs[0]
         assert got.token_ids == want_tokens
         assert max(abs(lp[t] - w) for lp, t, w in zip(got.logprobs, got.token_ids, want_logprobs)) < 1e-4
+
+
+def test_a_sliding_window_bounds_the_context(tmp_path):
+    """Every layer attends fully, which equals the checkpoint's sliding-window attention only up to
+    the window: the served context stops there (Qwen's window counts only with use_sliding_window)."""
+    from ferrylm.model.loaders.hf_loader import load_hf_config
+
+    mistral = load_hf_config(make_tiny_model("mistral", tmp_path / "m", sliding_window=48), "m")
+    qwen = load_hf_config(make_tiny_model("qwen3", tmp_path / "q", sliding_window=48), "q")
+    assert mistral.max_position_embeddings == 48 and qwen.max_position_embeddings == 512
+
+
+def test_rope_scaling_we_cannot_honour_is_a_load_error_naming_it(tmp_path):
+    from ferrylm.model.loaders.hf_loader import load_hf_config
+    from ferrylm.model.loaders.model_source import ModelLoadError
+
+    directory = make_tiny_model("phi3", tmp_path / "p")
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"] |= {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="rope_scaling type 'longrope' is not supported"):
+        load_hf_config(directory, "p")

@@ -1,4 +1,4 @@
-"""Random-weight Llama / Qwen2 / Qwen3 / Mistral checkpoints built with transformers, saved as safetensors."""
+"""Random-weight Llama / Qwen2 / Qwen3 / Phi-3 / Mistral checkpoints built with transformers, saved as safetensors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, **overrides) -> Path:
-    """Save a tiny random model of `kind` (llama | qwen2 | qwen3 | mistral | llama3) into `directory`."""
+    """Save a tiny random model of `kind` (llama | qwen2 | qwen3 | phi3 | mistral | llama3) into `directory`."""
     import transformers
 
     torch.manual_seed(0)
@@ -27,8 +27,10 @@ def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, *
     elif kind == "qwen3":  # per-head q/k norms; head_dim wider than hidden / heads, as in Qwen3-0.6B
         config = transformers.Qwen3Config(**{**kw, "head_dim": 32, **overrides}, tie_word_embeddings=True,
                                           use_sliding_window=False)
+    elif kind == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint; partial RoPE like Phi-4-mini
+        config = transformers.Phi3Config(**kw, pad_token_id=0, partial_rotary_factor=0.5, tie_word_embeddings=False)
     elif kind == "mistral":
-        config = transformers.MistralConfig(**kw, sliding_window=None, head_dim=32)
+        config = transformers.MistralConfig(**{"sliding_window": None, "head_dim": 32, **kw})
     else:
         raise ValueError(kind)
     config.eos_token_id = 2

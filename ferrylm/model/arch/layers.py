@@ -56,9 +56,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, fused_ops=None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, fused_ops=None,
+                 rotary_dim: int | None = None):
+        """`rotary_dim`: the leading dims of each head that rotate (Phi's partial_rotary_factor); the
+        rest pass through unrotated. Default: the whole head."""
         super().__init__()
         self.fused_ops = fused_ops
+        self.rotary_dim = rotary_dim or head_dim
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type not in ("default", "linear", "llama3", None):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
@@ -71,7 +75,7 @@ class RotaryEmbedding(nn.Module):
     def build_table(self, device: torch.device) -> None:
         """(Re)compute the table on `device`; also used after the model is materialised from meta."""
         # float32 throughout, exactly as the reference computes it, so logits match bit for bit.
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float() / self.rotary_dim
         inv_freq = 1.0 / (self.theta ** exponent)
         if self.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
@@ -83,16 +87,20 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_packed_(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, head_dim: int) -> bool:
         """Rotate the q and k heads of a packed [T, (H + 2Hkv) D] projection in place, if fused ops exist."""
-        if self.fused_ops is None or not qkv.is_contiguous():
+        if self.fused_ops is None or not qkv.is_contiguous() or self.rotary_dim != head_dim:
             return False
         self.fused_ops.rope_qkv_(qkv, positions, self.cos, self.sin, num_heads, head_dim)
         return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]; rotation computed in float32."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim/2]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.rotary_dim == q.shape[-1]:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        r = self.rotary_dim
+        return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
+                torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
 
 Shapes: T = tokens in the flat batch, H = query heads, Hkv = KV heads, D = head dim.
 Q/K/V and gate/up projections are packed into one matmul each.
@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = backend  # shared by every layer; prepare(batch) once per forward
         positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling_dict,
-                                      fused_ops)
+                                      fused_ops, config.rotary_dim)
         head_quant = lm_head_quant or quant or UnquantizedMethod()
         self.embed_tokens: nn.Embedding | None = None
         if not (config.tie_word_embeddings and not isinstance(head_quant, UnquantizedMethod)):

@@ -16,7 +16,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _read_json(path: Path) -> dict:
@@ -41,9 +43,16 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     heads = cfg["num_attention_heads"]
-    scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if arch == "llama" else None)
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps theta, scaling and partial factor here
+    scaling = cfg.get("rope_scaling") or rope or None
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in ROPE_TYPES:
+        raise ModelLoadError(f"{directory / 'config.json'}: rope_scaling type "
+                             f"{scaling.get('rope_type', scaling.get('type'))!r} is not supported "
+                             f"(supported: {', '.join(ROPE_TYPES)})")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -52,18 +61,31 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
         rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=_full_attention_span(cfg, arch),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
         qk_norm=arch == "qwen3",
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
         eos_token_ids=eos_ids,
         name=name,
     )
+
+
+def _full_attention_span(cfg: dict, arch: str) -> int:
+    """The context the model serves: max_position_embeddings, cut to the sliding window where the
+    checkpoint uses one (Mistral's and Phi-3's `sliding_window`; Qwen's only with
+    `use_sliding_window`). Every layer attends fully, which equals sliding-window attention on
+    sequences no longer than the window, so outputs stay the reference's."""
+    span = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    return min(span, window) if isinstance(window, int) and window > 0 else span
 
 
 def _shard_files(directory: Path) -> list[Path]:
@@ -92,3 +114,20 @@ def iter_hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     yield key, f.get_tensor(key)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+
+
+def split_fused_projections(weights: Iterator[tuple[str, torch.Tensor]],
+                            config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's own fused `qkv_proj` / `gate_up_proj` (Phi-3) as the q/k/v and gate/up
+    projections every other checkpoint has, so loading, quantization and tensor-parallel sharding
+    see one naming."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for name, tensor in weights:
+        if name.endswith(".qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            yield from zip((base + p + "_proj.weight" for p in "qkv"), tensor.split([q, kv, kv]))
+        elif name.endswith(".gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            yield from zip((base + "gate_proj.weight", base + "up_proj.weight"), tensor.chunk(2))
+        else:
+            yield name, tensor

@@ -40,9 +40,9 @@ class Checkpoint:
             from ferrylm.model.loaders.gguf_loader import iter_gguf_weights
 
             return iter_gguf_weights(self._gguf, self.config)
-        from ferrylm.model.loaders.hf_loader import iter_hf_weights
+        from ferrylm.model.loaders.hf_loader import iter_hf_weights, split_fused_projections
 
-        return iter_hf_weights(self.source.path)
+        return split_fused_projections(iter_hf_weights(self.source.path), self.config)
 
 
 def _shard_slice(config: ModelConfig, packed: str, index: int) -> slice:
