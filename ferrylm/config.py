@@ -14,7 +14,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Shape of a Llama-family transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "mixtral" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,9 +30,18 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has q/k/v bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (head_dim wide) before RoPE
     rotary_dim: int | None = None  # dims of a head that RoPE rotates (Phi's partial_rotary_factor); None: all
+    # mixture of experts (arch/moe.py): 0 experts is a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the chosen experts' router probabilities
+    moe_layers: tuple[int, ...] | None = None  # layers whose MLP is sparse; None: all (when num_experts)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or index in self.moe_layers)
 
     @property
     def rope_scaling_dict(self) -> dict | None:

@@ -74,7 +74,8 @@ class ModelRunner:
         self.tp = None if tp is None else TPContext.build(tp, checkpoint.config)
         load_from = checkpoint if self.tp is None else ShardedCheckpoint(checkpoint, self.tp.shard)
         self.local_config: ModelConfig = load_from.config  # this rank's heads and widths (all of them without TP)
-        enforce_eager = enforce_eager or self.tp is not None  # collectives are not captured into graphs
+        # collectives are not captured into graphs; an MoE step's expert groups are data-dependent
+        enforce_eager = enforce_eager or self.tp is not None or checkpoint.config.num_experts > 0
         self.device, self.dtype = device, dtype
         self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
         if self.tp is not None and self.cpu_threads is not None:  # the ranks share this machine's cores

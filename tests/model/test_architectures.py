@@ -31,7 +31,7 @@ def _greedy_reference(directory, prompt: list[int]) -> tuple[list[int], list[flo
     return ids[len(prompt):], logprobs
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "mixtral", "qwen3_moe"])
 def test_greedy_equals_transformers_batched_with_prefix_cache_and_chunks(kind, tmp_path):
     from ferrylm import LLM
 
@@ -69,3 +69,24 @@ def test_rope_scaling_we_cannot_honour_is_a_load_error_naming_it(tmp_path):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="rope_scaling type 'longrope' is not supported"):
         load_hf_config(directory, "p")
+
+
+def test_moe_routes_by_expert_not_by_token_and_refuses_tensor_parallel(tmp_path):
+    """Each active expert runs once per step over all its tokens; TP of an MoE model (and of Phi-3's
+    fused weights) is a clear ConfigError until expert parallelism exists, never a wrong answer."""
+    from ferrylm.config import ConfigError
+    from ferrylm.model.arch.moe import SparseMoeBlock
+    from ferrylm.model.loaders.hf_loader import load_hf_config
+    from ferrylm.model.parallel.tp import shard_plan
+
+    config = load_hf_config(make_tiny_model("mixtral", tmp_path / "x"), "x")
+    block = SparseMoeBlock(config)
+    calls = []
+    for expert in block.experts:
+        expert.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
+    block(torch.randn(40, config.hidden_size))
+    assert len(calls) <= config.num_experts and sum(calls) == 40 * config.num_experts_per_tok
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        shard_plan(config, 0, 2)
+    with pytest.raises(ConfigError, match="Phi-3"):
+        shard_plan(load_hf_config(make_tiny_model("phi3", tmp_path / "p"), "p"), 0, 2)

@@ -1,4 +1,4 @@
-"""Random-weight Llama / Qwen2 / Qwen3 / Phi-3 / Mistral checkpoints built with transformers, saved as safetensors."""
+"""Random-weight checkpoints of every architecture we serve, built with transformers, saved as safetensors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, **overrides) -> Path:
-    """Save a tiny random model of `kind` (llama | qwen2 | qwen3 | phi3 | mistral | llama3) into `directory`."""
+    """Save a tiny random model of `kind` (llama | llama3 | qwen2 | qwen3 | phi3 | mixtral | qwen3_moe |
+    mistral) into `directory`."""
     import transformers
 
     torch.manual_seed(0)
@@ -29,6 +30,13 @@ def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, *
                                           use_sliding_window=False)
     elif kind == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint; partial RoPE like Phi-4-mini
         config = transformers.Phi3Config(**kw, pad_token_id=0, partial_rotary_factor=0.5, tie_word_embeddings=False)
+    elif kind == "mixtral":  # 4 experts, top 2 (renormalised)
+        config = transformers.MixtralConfig(**{"sliding_window": None, **kw}, num_local_experts=4,
+                                            num_experts_per_tok=2, tie_word_embeddings=False)
+    elif kind == "qwen3_moe":  # 6 experts, top 2 not renormalised; layer 0 dense (mlp_only_layers)
+        config = transformers.Qwen3MoeConfig(**{"head_dim": 32, **kw}, num_experts=6, num_experts_per_tok=2,
+                                             moe_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[0],
+                                             tie_word_embeddings=True, use_sliding_window=False)
     elif kind == "mistral":
         config = transformers.MistralConfig(**{"sliding_window": None, "head_dim": 32, **kw})
     else:

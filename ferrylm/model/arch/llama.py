@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3; with arch/moe.py Mixtral and
+Qwen3-MoE) over a paged KV cache.
 
 Shapes: T = tokens in the flat batch, H = query heads, Hkv = KV heads, D = head dim.
 Q/K/V and gate/up projections are packed into one matmul each.
@@ -13,6 +14,7 @@ from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.model.arch.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from ferrylm.model.arch.moe import SparseMoeBlock
 from ferrylm.model.attention.base import AttentionBackend
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.quant.base import QuantMethod, UnquantizedMethod
@@ -69,12 +71,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, fused_ops=None,
-                 quant: QuantMethod | None = None, tp: Any = None):
+                 quant: QuantMethod | None = None, tp: Any = None, layer_index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.self_attn = LlamaAttention(config, rotary, backend, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.mlp = LlamaMLP(config, quant, tp)
+        self.mlp: nn.Module = SparseMoeBlock(config, quant) if config.is_moe_layer(layer_index) else \
+            LlamaMLP(config, quant, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +119,8 @@ class LlamaForCausalLM(nn.Module):
         if not (config.tie_word_embeddings and not isinstance(head_quant, UnquantizedMethod)):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops, quant, tp)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops, quant, tp, i)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, quant=head_quant)
         self.tie_weights()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -68,12 +71,28 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
         max_position_embeddings=_full_attention_span(cfg, arch),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+        **_experts(cfg, arch),
         bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
         eos_token_ids=eos_ids,
         name=name,
     )
+
+
+def _experts(cfg: dict, arch: str) -> dict:
+    """ModelConfig's mixture-of-experts fields: Mixtral's every layer, top-k renormalised; Qwen3-MoE's
+    layers per decoder_sparse_step minus mlp_only_layers, renormalised as norm_topk_prob says."""
+    if arch == "mixtral":
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if arch == "qwen3_moe":
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+        return dict(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                    num_experts_per_tok=cfg["num_experts_per_tok"], moe_intermediate_size=cfg["moe_intermediate_size"],
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=layers)
+    return {}
 
 
 def _full_attention_span(cfg: dict, arch: str) -> int:
@@ -116,13 +135,21 @@ def iter_hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
 
-def split_fused_projections(weights: Iterator[tuple[str, torch.Tensor]],
-                            config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's own fused `qkv_proj` / `gate_up_proj` (Phi-3) as the q/k/v and gate/up
-    projections every other checkpoint has, so loading, quantization and tensor-parallel sharding
-    see one naming."""
+_MIXTRAL_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.(gate|experts\.\d+\.(w[123]))\.weight")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def canonical_weights(weights: Iterator[tuple[str, torch.Tensor]],
+                      config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors under the one naming loading, quantization and tensor-parallel sharding
+    know: a fused `qkv_proj` / `gate_up_proj` (Phi-3) split into q/k/v and gate/up, Mixtral's
+    `block_sparse_moe.{gate, experts.E.w1/w2/w3}` as `mlp.{gate, experts.E.gate/down/up_proj}`."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     for name, tensor in weights:
+        m = _MIXTRAL_EXPERT.fullmatch(name)
+        if m:
+            part = m.group(2) if m.group(3) is None else m.group(2).replace(m.group(3), _MIXTRAL_PROJ[m.group(3)])
+            name = f"{m.group(1)}.mlp.{part}.weight"
         if name.endswith(".qkv_proj.weight"):
             base = name.removesuffix("qkv_proj.weight")
             yield from zip((base + p + "_proj.weight" for p in "qkv"), tensor.split([q, kv, kv]))

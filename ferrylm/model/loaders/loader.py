@@ -40,15 +40,15 @@ class Checkpoint:
             from ferrylm.model.loaders.gguf_loader import iter_gguf_weights
 
             return iter_gguf_weights(self._gguf, self.config)
-        from ferrylm.model.loaders.hf_loader import iter_hf_weights, split_fused_projections
+        from ferrylm.model.loaders.hf_loader import canonical_weights, iter_hf_weights
 
-        return split_fused_projections(iter_hf_weights(self.source.path), self.config)
+        return canonical_weights(iter_hf_weights(self.source.path), self.config)
 
 
-def _shard_slice(config: ModelConfig, packed: str, index: int) -> slice:
-    """Rows of the packed parameter that one checkpoint projection fills."""
-    if packed == "gate_up_proj":
-        n = config.intermediate_size
+def _shard_slice(config: ModelConfig, packed: str, index: int, out_features: int) -> slice:
+    """Rows of the packed parameter (`out_features` rows) that one checkpoint projection fills."""
+    if packed == "gate_up_proj":  # dense MLP or one expert's: its own width
+        n = out_features // 2
         return slice(index * n, (index + 1) * n)
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)][index]
@@ -72,7 +72,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, object]],
         target, rows = name, slice(None)
         if m:
             packed, index = _PACKED[m.group(2)]
-            target, rows = f"{m.group(1)}.{packed}.{m.group(3)}", _shard_slice(model.config, packed, index)
+            target = f"{m.group(1)}.{packed}.{m.group(3)}"
+            packed_layer = linears.get(f"{m.group(1)}.{packed}")
+            rows = _shard_slice(model.config, packed, index, packed_layer.out_features if packed_layer else 0)
         module_name, _, attr = target.rpartition(".")
         layer = linears.get(module_name)
         if layer is not None and attr == "weight":

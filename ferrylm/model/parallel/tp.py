@@ -51,6 +51,11 @@ class TPShard:
 def shard_plan(config: ModelConfig, rank: int, world: int) -> TPShard:
     """Heads, intermediate columns and vocabulary rows of one rank; a ConfigError when the model
     cannot be split that many ways."""
+    if config.num_experts or config.architecture == "phi3":
+        what = "mixture-of-experts models" if config.num_experts else \
+            "checkpoints with fused qkv/gate_up weights (Phi-3)"
+        raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of {what} is not supported yet; "
+                          "run with --tensor-parallel-size 1")
     heads, kv = config.num_heads, config.num_kv_heads
     group = heads // kv
     if world <= kv:

@@ -1,0 +1,59 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks the top-k experts of each
+token; tokens are grouped by expert and each active expert runs once over its group (one GEMM
+pair per expert, no per-token loop), its output scaled by the routing weight and summed back.
+
+Each expert is a LlamaMLP-shaped pair of Linears, so checkpoint names (`experts.E.gate_proj` ...)
+load through the same packing and QuantMethod as the dense MLP (--quantization int8/int4 packs
+the experts too)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferrylm.config import ModelConfig
+from ferrylm.model.arch.layers import Linear, SiluAndMul
+from ferrylm.model.quant.base import QuantMethod, UnquantizedMethod
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantMethod | None):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, quant=quant)
+        self.down_proj = Linear(intermediate_size, hidden_size, quant=quant)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts. `config.norm_topk_prob`: renormalise the k chosen probabilities to sum to
+    one (Mixtral always; Qwen3-MoE as its config says)."""
+
+    def __init__(self, config: ModelConfig, quant: QuantMethod | None = None):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts, quant=UnquantizedMethod())  # the router
+        self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size, quant)
+                                     for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E], float32 like the reference
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        flat = chosen.flatten()  # [T*k]: token t's i-th choice at t*k + i
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k  # the token of each (token, choice) pair, grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        routed = weights.flatten()[order, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start:start + count]
+                out.index_add_(0, rows, expert(x.index_select(0, rows)) * routed[start:start + count])
+                start += count
+        return out
