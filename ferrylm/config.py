@@ -36,6 +36,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' router probabilities
     moe_layers: tuple[int, ...] | None = None  # layers whose MLP is sparse; None: all (when num_experts)
+    prequantized: str | None = None  # "awq" | "gptq": the checkpoint's Linears are int4 (quantization_config)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
@@ -100,12 +101,13 @@ class SchedulerConfig:
                               f"{', '.join(PREEMPTION_MODES)}")
 
 
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf", "fp8")
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf", "fp8",
+                        "awq", "gptq")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """A parsed --quantization value. method: "none" | "int8" | "int4" | "gguf" | "fp8"; group_size
+    """A parsed --quantization value. method: "none" | "int8" | "int4" | "gguf" | "fp8" | "awq" | "gptq"; group_size
     for int4 (inputs per scale and min; plain "int4" means 32, llama.cpp's Q4 block)."""
 
     method: str

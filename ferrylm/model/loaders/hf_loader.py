@@ -6,10 +6,12 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ferrylm.config import ModelConfig
+from ferrylm.model.loaders.int4_checkpoint import read_quantization_config
 from ferrylm.model.loaders.model_source import ModelLoadError
 
 ARCHITECTURES = {
@@ -24,7 +26,7 @@ ARCHITECTURES = {
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -35,14 +37,14 @@ def _read_json(path: Path) -> dict:
 
 def load_hf_config(directory: Path, name: str) -> ModelConfig:
     """Read config.json (and generation_config.json for EOS ids) into a ModelConfig."""
-    cfg = _read_json(directory / "config.json")
+    cfg = read_json(directory / "config.json")
     archs = cfg.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         supported = ", ".join(ARCHITECTURES)
         raise ModelLoadError(f"{directory / 'config.json'}: unsupported architecture {archs} (supported: {supported})")
     gen_path = directory / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    gen = read_json(gen_path) if gen_path.is_file() else {}
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     heads = cfg["num_attention_heads"]
@@ -55,6 +57,7 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
                              f"{scaling.get('rope_type', scaling.get('type'))!r} is not supported "
                              f"(supported: {', '.join(ROPE_TYPES)})")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    int4 = read_quantization_config(cfg, str(directory / "config.json"))
     partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     return ModelConfig(
         architecture=arch,
@@ -74,6 +77,7 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         **_experts(cfg, arch),
+        prequantized=None if int4 is None else int4.method,
         bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
         eos_token_ids=eos_ids,
         name=name,
@@ -110,7 +114,7 @@ def _full_attention_span(cfg: dict, arch: str) -> int:
 def _shard_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(_read_json(index)["weight_map"].values()))
+        names = sorted(set(read_json(index)["weight_map"].values()))
         files = [directory / n for n in names]
     else:
         files = sorted(directory.glob("*.safetensors"))
@@ -139,13 +143,14 @@ _MIXTRAL_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.(gate|experts\.\d+\.(w[12
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
-def canonical_weights(weights: Iterator[tuple[str, torch.Tensor]],
-                      config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def canonical_weights(weights: Iterator[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors under the one naming loading, quantization and tensor-parallel sharding
     know: a fused `qkv_proj` / `gate_up_proj` (Phi-3) split into q/k/v and gate/up, Mixtral's
     `block_sparse_moe.{gate, experts.E.w1/w2/w3}` as `mlp.{gate, experts.E.gate/down/up_proj}`."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     for name, tensor in weights:
+        if not isinstance(tensor, torch.Tensor) and name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
+            raise ModelLoadError(f"{name}: a quantized fused projection is not supported")
         m = _MIXTRAL_EXPERT.fullmatch(name)
         if m:
             part = m.group(2) if m.group(3) is None else m.group(2).replace(m.group(3), _MIXTRAL_PROJ[m.group(3)])

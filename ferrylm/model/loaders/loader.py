@@ -40,9 +40,14 @@ class Checkpoint:
             from ferrylm.model.loaders.gguf_loader import iter_gguf_weights
 
             return iter_gguf_weights(self._gguf, self.config)
-        from ferrylm.model.loaders.hf_loader import canonical_weights, iter_hf_weights
+        from ferrylm.model.loaders.hf_loader import canonical_weights, iter_hf_weights, read_json
+        from ferrylm.model.loaders.int4_checkpoint import assemble_int4, read_quantization_config
 
-        return canonical_weights(iter_hf_weights(self.source.path), self.config)
+        weights = iter_hf_weights(self.source.path)
+        if self.config.prequantized:
+            fmt = read_quantization_config(read_json(self.source.path / "config.json"), str(self.source.path))
+            weights = assemble_int4(weights, fmt) if fmt is not None else weights
+        return canonical_weights(weights, self.config)
 
 
 def _shard_slice(config: ModelConfig, packed: str, index: int, out_features: int) -> slice:
@@ -111,7 +116,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     `int8_activations`: packed weights' decode GEMVs quantize fp32 activations to int8 too."""
     config = checkpoint.config
     kind = getattr(checkpoint.source, "kind", "hf")
-    method = select_quant_method(quantization, kind, device, dtype, int8_activations)
+    method = select_quant_method(quantization, kind, device, dtype, int8_activations, config.prequantized)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, fused_ops, quant=method,
                                  lm_head_quant=method.lm_head_method(), tp=tp)

@@ -51,8 +51,9 @@ class TPShard:
 def shard_plan(config: ModelConfig, rank: int, world: int) -> TPShard:
     """Heads, intermediate columns and vocabulary rows of one rank; a ConfigError when the model
     cannot be split that many ways."""
-    if config.num_experts or config.architecture == "phi3":
+    if config.num_experts or config.architecture == "phi3" or config.prequantized:
         what = "mixture-of-experts models" if config.num_experts else \
+            f"{config.prequantized} checkpoints" if config.prequantized else \
             "checkpoints with fused qkv/gate_up weights (Phi-3)"
         raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of {what} is not supported yet; "
                           "run with --tensor-parallel-size 1")

@@ -9,10 +9,12 @@ from ferrylm.model.quant.base import QuantMethod, StoredWeightMethod, Unquantize
 
 
 def select_quant_method(quant: QuantConfig | None, checkpoint_kind: str, device: torch.device,
-                        dtype: torch.dtype, int8_activations: bool = False) -> QuantMethod:
+                        dtype: torch.dtype, int8_activations: bool = False,
+                        prequantized: str | None = None) -> QuantMethod:
     """The method for --quantization `quant` (None: the default) on a checkpoint of `checkpoint_kind`
     ("gguf" | "hf" | ...). Raises ConfigError, naming the flag, for what cannot run here.
 
+    `prequantized`: the checkpoint's own int4 format ("awq" | "gptq"), kept as the file's codes.
     Default: a GGUF file keeps its blocks packed where FerryLM has a packed kernel (the CPU, when the
     C++ extension builds); everything else loads unquantized, as vLLM does for safetensors.
     `int8_activations`: fp32 activations of a decode row take the int8-activation GEMV as bf16 ones
@@ -23,6 +25,17 @@ def select_quant_method(quant: QuantConfig | None, checkpoint_kind: str, device:
     kernels = load_quant_kernels() if device.type == "cpu" else None
     if kernels is not None and int8_activations:
         kernels = kernels._replace(fp32_int8_gemv=True)
+    if prequantized is not None:  # an AWQ / GPTQ checkpoint: its own int4 weights, or nothing
+        if quant is not None and quant.method != prequantized:
+            raise ConfigError(f"--quantization {quant.method}: this checkpoint is already quantized with "
+                              f"{prequantized} (config.json quantization_config); leave the flag unset or pass "
+                              f"--quantization {prequantized}")
+        from ferrylm.model.quant.prequantized import PrequantizedInt4
+
+        return PrequantizedInt4(prequantized, kernels, dtype)
+    if quant is not None and quant.method in ("awq", "gptq"):
+        raise ConfigError(f"--quantization {quant.method} serves a checkpoint quantized with {quant.method} "
+                          "(quantization_config.quant_method); this one is not")
     if quant is None:
         quant = QuantConfig("gguf" if checkpoint_kind == "gguf" and kernels is not None else "none")
     if quant.method == "none":
