@@ -74,10 +74,13 @@ def fleet_round(campaign: Campaign, scale: int, workdir: Path) -> None:
             p.stop()
 
 
-def hostile_tenant_round(campaign: Campaign, scale: int, workdir: Path) -> None:
+def hostile_tenant_round(campaign: Campaign, scale: int, workdir: Path, attacks: list[str] | None = None) -> None:
+    """The hostile-tenant scenario; `attacks` (--attacks): also one run per listed attack alone."""
     server, keys = hostile_tenant.start(workdir)
     try:
         campaign.add(asyncio.run(hostile_tenant.hostile_tenant(server, keys, max(1, scale // 4))))
+        for attack in attacks or ():
+            campaign.add(asyncio.run(hostile_tenant.hostile_tenant(server, keys, max(1, scale // 4), (attack,))))
     finally:
         server.stop()
 
@@ -117,6 +120,8 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     ap.add_argument("--only", choices=sorted(ROUNDS), action="append",
                     help="run only these kinds of round (repeatable; default: all)")
+    ap.add_argument("--attacks", nargs="+", choices=hostile_tenant.ATTACKS,
+                    help="hostile round: also measure each of these attacks alone (the ablation)")
     args = ap.parse_args()
     kinds = args.only or list(ROUNDS)
 
@@ -127,7 +132,9 @@ def main() -> None:
             workdir = Path(tmp) / f"round{rounds}"
             workdir.mkdir()
             for kind in kinds:
-                if kind != "startup" or rounds == 0:
+                if kind == "hostile":
+                    hostile_tenant_round(campaign, args.scale, workdir, args.attacks)
+                elif kind != "startup" or rounds == 0:
                     ROUNDS[kind](campaign, args.scale, rounds, workdir)
             rounds += 1
     minutes = (time.monotonic() - start) / 60
@@ -137,9 +144,9 @@ def main() -> None:
     table = markdown_table(rows)
     summary = (f"{campaign.total} requests in {rounds} rounds ({minutes:.1f} min): lost {lost}, "
                f"KV blocks leaked {leaked}; other processes' CPU share {cpu.share:.3f}")
-    hostile = campaign.ledgers.get("hostile tenant")
-    if hostile is not None:  # the victim's ITL p99 quiet vs attacked, per round
-        summary += "\n\nhostile tenant, per round: " + "; ".join(n for n in hostile.notes if "ITL" in n)
+    for name, ledger in campaign.ledgers.items():  # the victim's ITL p99 quiet vs attacked, per round
+        if name.startswith("hostile tenant"):
+            summary += f"\n\n{name}, per round: " + "; ".join(n for n in ledger.notes if "ITL" in n)
     print(table + "\n\n" + summary)
     for ledger in campaign.ledgers.values():
         if ledger.lost_details:
