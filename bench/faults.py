@@ -74,9 +74,11 @@ def fleet_round(campaign: Campaign, scale: int, workdir: Path) -> None:
             p.stop()
 
 
-def hostile_tenant_round(campaign: Campaign, scale: int, workdir: Path, attacks: list[str] | None = None) -> None:
-    """The hostile-tenant scenario; `attacks` (--attacks): also one run per listed attack alone."""
-    server, keys = hostile_tenant.start(workdir)
+def hostile_tenant_round(campaign: Campaign, scale: int, workdir: Path, attacks: list[str] | None = None,
+                         server_args: tuple[str, ...] = ()) -> None:
+    """The hostile-tenant scenario; `attacks` (--attacks): also one run per listed attack alone;
+    `server_args` (--hostile-server-args): added to the scenario's server command line."""
+    server, keys = hostile_tenant.start(workdir, server_args)
     try:
         campaign.add(asyncio.run(hostile_tenant.hostile_tenant(server, keys, max(1, scale // 4))))
         for attack in attacks or ():
@@ -122,6 +124,8 @@ def main() -> None:
                     help="run only these kinds of round (repeatable; default: all)")
     ap.add_argument("--attacks", nargs="+", choices=hostile_tenant.ATTACKS,
                     help="hostile round: also measure each of these attacks alone (the ablation)")
+    ap.add_argument("--hostile-server-args", default="",
+                    help="hostile round: extra `ferrylm serve` flags, e.g. '--long-prefill-token-threshold 32'")
     args = ap.parse_args()
     kinds = args.only or list(ROUNDS)
 
@@ -133,7 +137,8 @@ def main() -> None:
             workdir.mkdir()
             for kind in kinds:
                 if kind == "hostile":
-                    hostile_tenant_round(campaign, args.scale, workdir, args.attacks)
+                    hostile_tenant_round(campaign, args.scale, workdir, args.attacks,
+                                         tuple(args.hostile_server_args.split()))
                 elif kind != "startup" or rounds == 0:
                     ROUNDS[kind](campaign, args.scale, rounds, workdir)
             rounds += 1

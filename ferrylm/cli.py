@@ -19,6 +19,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="at most this many prompt tokens of one request per step (0: no cap): smaller chunks keep "
+                        "other requests' inter-token latency lower while a long prompt is prefilled")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the KV pool (CPU)")
@@ -76,7 +79,8 @@ def engine_config_from_args(args: argparse.Namespace):
                           enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype,
                           swap_space=args.swap_space),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, preemption_mode=args.preemption_mode))
+                                  max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
+                                  long_prefill_token_threshold=args.long_prefill_token_threshold))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -88,6 +88,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # defaults to the model's context length
     enable_chunked_prefill: bool = True
+    # --long-prefill-token-threshold (vLLM's): at most this many prompt tokens of one request per step
+    # (0: no cap). A long prompt then shares steps with decodes in small chunks: the other requests'
+    # inter-token latency rises less per step, the prompt's own time to first token more.
+    long_prefill_token_threshold: int = 0
     # --preemption-mode: what a request preempted for KV blocks loses. recompute: its blocks (re-prefilled
     # later); swap: they are copied to host memory (--swap-space) and back; auto: per request, whichever
     # costs less (engine/preemption.py)
@@ -96,6 +100,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("--long-prefill-token-threshold must be 0 (off) or positive")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"--preemption-mode {self.preemption_mode!r} is not supported; choose one of "
                               f"{', '.join(PREEMPTION_MODES)}")

@@ -25,7 +25,8 @@ class LLM:
                  enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30, num_gpu_blocks: int | None = None,
                  device: str = "cpu", seed: int = 0, quantization: str | None = None, enforce_eager: bool = False,
                  kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
-                 tensor_parallel_size: int = 1, swap_space: float = 4.0, preemption_mode: str = "auto"):
+                 tensor_parallel_size: int = 1, swap_space: float = 4.0, preemption_mode: str = "auto",
+                 long_prefill_token_threshold: int = 0):
         """`quantization`: vLLM's flag name; "none", "int8", "int4" (-g32/-g64/-g128/-g256: inputs per
         scale), "gguf" (keep a GGUF file's blocks packed) or "fp8" (CUDA). Unset: a GGUF model stays
         packed where a packed kernel runs (the CPU), anything else is unquantized.
@@ -41,7 +42,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype,
                               swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, preemption_mode=preemption_mode))
+                                      max_model_len=max_model_len, preemption_mode=preemption_mode,
+                                      long_prefill_token_threshold=long_prefill_token_threshold))
         self.engine = Engine.from_config(config)
         self._ids = itertools.count()
 

@@ -136,7 +136,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -154,6 +154,12 @@ class Scheduler:
             budget -= n
             i += 1
         return budget, preempted
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """The tokens of a request this step: what remains, within the budget and the per-request
+        prefill cap (--long-prefill-token-threshold)."""
+        cap = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill else 0
+        return min(remaining, budget, cap) if cap else min(remaining, budget)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """The runner's proposal for a decoding request, cut so that accepting all of it (plus the
@@ -191,7 +197,7 @@ class Scheduler:
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
-                n = budget
+            n = self._chunk(n, budget)
             if not self.block_manager.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached,
                                                      req.cache_root):
                 break

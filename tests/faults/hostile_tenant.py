@@ -37,11 +37,11 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def start(workdir: Path) -> tuple[ServerProcess, dict[str, str]]:
-    """The scenario's server and the two tenants' keys."""
+def start(workdir: Path, extra_args: tuple[str, ...] = ()) -> tuple[ServerProcess, dict[str, str]]:
+    """The scenario's server (ARGS plus `extra_args`, e.g. a scheduler setting) and the two tenants' keys."""
     db = f"sqlite:///{workdir / 'hostile.db'}"
     keys = make_keys(db, {"victim": {}, "attacker": {}})
-    server = ServerProcess(*ARGS, "--require-auth", "--state-db", db, env=HOOKS)
+    server = ServerProcess(*ARGS, *extra_args, "--require-auth", "--state-db", db, env=HOOKS)
     server.wait_ready()
     return server, keys
 

@@ -241,3 +241,17 @@ def test_same_prompt_is_prefilled_once():
     assert reqs["b"].num_cached_tokens == 20 and reqs["c"].num_cached_tokens == 20
     assert all(r.is_finished for r in reqs.values())
 
+
+
+def test_long_prefill_token_threshold_caps_each_requests_chunk():
+    """vLLM's --long-prefill-token-threshold: a prompt advances at most that many tokens a step, so
+    a running decode shares every step with a small chunk rather than one budget-sized one."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=8),
+                  BlockManager(64, BS, True), 128)
+    s.add_request(req("a", n_prompt=4, max_tokens=20))
+    step(s)
+    s.add_request(req("b", n_prompt=30, t=1.0, first=40))
+    sizes = []
+    for _ in range(4):
+        sizes.append({i.request_id: len(i.token_ids) for i in step(s).scheduled})
+    assert sizes == [{"a": 1, "b": 8}, {"a": 1, "b": 8}, {"a": 1, "b": 8}, {"a": 1, "b": 6}]
