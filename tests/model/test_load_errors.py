@@ -61,10 +61,12 @@ def test_truncated_safetensors(tmp_path):
                    TorchNativeBackend())
 
 
-def _write_gguf(path, arch: str) -> None:
+def _write_gguf(path, arch: str, experts: int = 0) -> None:
     gguf = pytest.importorskip("gguf")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
+    if experts:
+        writer.add_expert_count(experts)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -76,6 +78,14 @@ def test_unknown_architecture_gguf(tmp_path):
     path = tmp_path / "falcon.gguf"
     _write_gguf(path, "falcon")
     with pytest.raises(ModelLoadError, match=r"falcon\.gguf: unsupported architecture 'falcon'"):
+        Checkpoint(resolve_model(str(path)))
+
+
+def test_mixture_of_experts_gguf_names_itself(tmp_path):
+    """A Mixtral GGUF says arch "llama": its expert_count, not a missing-weight error, is the message."""
+    path = tmp_path / "mixtral.gguf"
+    _write_gguf(path, "llama", experts=8)
+    with pytest.raises(ModelLoadError, match=r"mixture-of-experts GGUF files \(llama\.expert_count 8\)"):
         Checkpoint(resolve_model(str(path)))
 
 

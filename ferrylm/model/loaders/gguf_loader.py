@@ -164,6 +164,9 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     def key(suffix: str, default=None):
         return gguf.field(f"{arch}.{suffix}", default)
 
+    if key("expert_count"):
+        raise ModelLoadError(f"{gguf.path}: mixture-of-experts GGUF files ({arch}.expert_count "
+                             f"{key('expert_count')}) are not supported yet; the safetensors checkpoint loads")
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     num_tokens = gguf.field_len("tokenizer.ggml.tokens")
