@@ -90,3 +90,24 @@ def test_moe_routes_by_expert_not_by_token_and_refuses_tensor_parallel(tmp_path)
         shard_plan(config, 0, 2)
     with pytest.raises(ConfigError, match="Phi-3"):
         shard_plan(load_hf_config(make_tiny_model("phi3", tmp_path / "p"), "p"), 0, 2)
+
+
+def test_moe_target_with_a_dense_draft_equals_plain_decoding(tmp_path):
+    """A Mixtral target drafted by a small dense Llama of the same vocabulary (draft_model): greedy
+    output identical to the target alone; `--quantization int8` packs every expert too."""
+    from ferrylm import LLM
+
+    target = str(add_word_tokenizer(make_tiny_model("mixtral", tmp_path / "moe")))
+    draft = str(add_word_tokenizer(make_tiny_model("llama", tmp_path / "draft", num_hidden_layers=1)))
+    prompts = [{"prompt_token_ids": SHARED + [200 + i] * (1 + 5 * i)} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target, dtype="float32", enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    spec = LLM(target, dtype="float32", enforce_eager=True, speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    drafted = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.stats().spec_decode_num_draft_tokens > 0
+    int8 = LLM(target, dtype="float32", enforce_eager=True, quantization="int8")
+    expert = int8.engine.executor.model.layers[0].mlp.experts[0]  # TP 1: the runner is the executor
+    assert expert.gate_up_proj.quant.name == "int8" and expert.down_proj.quant.name == "int8"
+    assert len(int8.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 24

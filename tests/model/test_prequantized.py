@@ -138,7 +138,7 @@ def test_greedy_equals_the_dequantized_twin_through_the_engine(tmp_path):
     prompts = [{"prompt_token_ids": [5, 9, 33, 70, 100 + i] * (1 + 4 * i)} for i in range(3)]
     outs = {}
     for name, directory in (("int4", qdir), ("twin", twin)):
-        llm = LLM(str(add_word_tokenizer(directory)), dtype="float32", max_num_batched_tokens=16)
+        llm = LLM(str(add_word_tokenizer(directory)), dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["int4"] == outs["twin"]
 

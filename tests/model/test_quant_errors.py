@@ -23,7 +23,7 @@ def _load(directory, quantization: str, device: str = "cpu"):
                       TorchNativeBackend(), quantization=QuantConfig.parse(quantization))
 
 
-@pytest.mark.parametrize("value", ["int3", "INT8", "awq", "int4-g48", ""])
+@pytest.mark.parametrize("value", ["int3", "INT8", "bitsandbytes", "int4-g48", ""])
 def test_unknown_value_is_a_config_error(value):
     with pytest.raises(ConfigError, match="--quantization") as err:
         EngineConfig(quantization=value)

@@ -156,7 +156,7 @@ def tiny_runs(tiny_drafts):
     return prompts, [expected[str(i)] for i in range(len(prompts))], runners
 
 
-@settings(max_examples=40)
+@settings(max_examples=20)
 @given(ops=_OPS, method=st.integers(0, 1))
 def test_random_add_step_abort_with_model_drafts(tiny_runs, ops, method):
     """Block accounting holds after every step, every block comes back, and each request that runs
