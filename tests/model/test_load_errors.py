@@ -81,11 +81,10 @@ def test_unknown_architecture_gguf(tmp_path):
         Checkpoint(resolve_model(str(path)))
 
 
-def test_mixture_of_experts_gguf_names_itself(tmp_path):
-    """A Mixtral GGUF says arch "llama": its expert_count, not a missing-weight error, is the message."""
-    path = tmp_path / "mixtral.gguf"
-    _write_gguf(path, "llama", experts=8)
-    with pytest.raises(ModelLoadError, match=r"mixture-of-experts GGUF files \(llama\.expert_count 8\)"):
+def test_mixture_of_experts_gguf_of_an_unsupported_arch_names_itself(tmp_path):
+    path = tmp_path / "moe.gguf"
+    _write_gguf(path, "qwen2", experts=8)
+    with pytest.raises(ModelLoadError, match=r"GGUF files of arch 'qwen2' \(qwen2\.expert_count 8\)"):
         Checkpoint(resolve_model(str(path)))
 
 

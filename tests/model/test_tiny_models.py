@@ -147,3 +147,72 @@ def test_qwen3_gguf_matches_transformers(tmp_path):
         with torch.no_grad():
             got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
         assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
+
+
+def _write_qwen3_moe_gguf(path, weights: dict, kind) -> None:
+    """The tiny all-sparse Qwen3-MoE as llama.cpp's "qwen3moe" GGUF: experts stacked in
+    ffn_{gate,up,down}_exps [E, rows, cols], the router as ffn_gate_inp; linears in `kind`."""
+    gguf = pytest.importorskip("gguf")
+    T = gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, value in [(writer.add_context_length, 512), (writer.add_embedding_length, 64),
+                       (writer.add_block_count, 2), (writer.add_feed_forward_length, 128),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_key_length, 32),
+                       (writer.add_value_length, 32), (writer.add_layer_norm_rms_eps, 1e-6),
+                       (writer.add_rope_freq_base, 10000.0), (writer.add_vocab_size, 320),
+                       (writer.add_expert_count, 6), (writer.add_expert_used_count, 2),
+                       (writer.add_expert_feed_forward_length, 64)]:
+        add(value)
+
+    def put(gguf_name: str, tensor: torch.Tensor, quantize: bool = False) -> None:
+        array = tensor.float().numpy()
+        if quantize and kind != T.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, array)
+
+    put("token_embd.weight", weights["model.embed_tokens.weight"])
+    put("output_norm.weight", weights["model.norm.weight"])
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for g, h in [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                     ("attn_output", "self_attn.o_proj")]:
+            put(f"blk.{i}.{g}.weight", weights[p + h + ".weight"], quantize=True)
+        for g, h in [("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
+                     ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                     ("ffn_gate_inp", "mlp.gate")]:
+            put(f"blk.{i}.{g}.weight", weights[p + h + ".weight"])
+        for g, h in [("ffn_gate_exps", "gate_proj"), ("ffn_up_exps", "up_proj"), ("ffn_down_exps", "down_proj")]:
+            put(f"blk.{i}.{g}.weight", torch.stack([weights[f"{p}mlp.experts.{e}.{h}.weight"] for e in range(6)]),
+                quantize=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_moe_gguf_matches_transformers(tmp_path):
+    """llama.cpp's "qwen3moe" GGUF of the tiny Qwen3-MoE with every layer sparse and top-k
+    renormalised, as llama.cpp builds it: f32 gives transformers' logits; Q8_0 experts stay packed,
+    one PackedWeight per expert."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from ferrylm.model.quant.packed import PackedWeight
+
+    directory = make_tiny_model("qwen3_moe", tmp_path / "moe", mlp_only_layers=[], norm_topk_prob=True,
+                                moe_intermediate_size=64)  # Q8_0 rows: a multiple of 32
+    weights = load_file(str(directory / "model.safetensors"))
+    prompt = list(range(3, 60))
+    expected = _reference_logits(directory, prompt)
+    T = gguf.GGMLQuantizationType
+    for name, kind, tol in [("f32", T.F32, 1e-4), ("q8", T.Q8_0, 5e-2)]:
+        path = tmp_path / f"{name}.gguf"
+        _write_qwen3_moe_gguf(path, weights, kind)
+        model, caches = _ours(path, fast=True)
+        assert model.config.architecture == "qwen3_moe" and model.config.num_experts == 6
+        if kind != T.F32:
+            assert isinstance(model.layers[1].mlp.experts[5].down_proj.packed, PackedWeight)
+        with torch.no_grad():
+            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
+        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name

@@ -34,8 +34,9 @@ def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, *
         config = transformers.MixtralConfig(**{"sliding_window": None, **kw}, num_local_experts=4,
                                             num_experts_per_tok=2, tie_word_embeddings=False)
     elif kind == "qwen3_moe":  # 6 experts, top 2 not renormalised; layer 0 dense (mlp_only_layers)
-        config = transformers.Qwen3MoeConfig(**{"head_dim": 32, **kw}, num_experts=6, num_experts_per_tok=2,
-                                             moe_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[0],
+        config = transformers.Qwen3MoeConfig(**{"head_dim": 32, "num_experts": 6, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 48, "norm_topk_prob": False,
+                                                "mlp_only_layers": [0], **kw},
                                              tie_word_embeddings=True, use_sliding_window=False)
     elif kind == "mistral":
         config = transformers.MistralConfig(**{"sliding_window": None, "head_dim": 32, **kw})

@@ -19,7 +19,8 @@ from ferrylm.config import ModelConfig
 from ferrylm.model.loaders.gguf_dequant import BLOCK_SIZES, GGMLType, as_bytes, dequantize
 from ferrylm.model.loaders.model_source import ModelLoadError
 
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen3moe": "qwen3_moe"}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -31,10 +32,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# experts stacked in one 3-D tensor [experts, rows, cols]: split into each expert's projection
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -164,9 +168,17 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     def key(suffix: str, default=None):
         return gguf.field(f"{arch}.{suffix}", default)
 
+    experts = {}
     if key("expert_count"):
-        raise ModelLoadError(f"{gguf.path}: mixture-of-experts GGUF files ({arch}.expert_count "
-                             f"{key('expert_count')}) are not supported yet; the safetensors checkpoint loads")
+        if arch not in ("llama", "qwen3moe"):
+            raise ModelLoadError(f"{gguf.path}: mixture-of-experts GGUF files of arch {arch!r} "
+                                 f"({arch}.expert_count {key('expert_count')}) are not supported "
+                                 "(supported: llama (Mixtral), qwen3moe)")
+        # llama.cpp renormalises the chosen experts' weights for both (Mixtral always; Qwen3-MoE's
+        # releases set norm_topk_prob), unless the file says otherwise
+        experts = dict(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                       moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
+                       norm_topk_prob=bool(key("expert_weights_norm", True)))
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     num_tokens = gguf.field_len("tokenizer.ggml.tokens")
@@ -177,7 +189,7 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
         raise ModelLoadError(f"{gguf.path}: per-frequency RoPE factors (rope_freqs) are not supported yet")
     eos = gguf.field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture="mixtral" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch],
         vocab_size=key("vocab_size") or num_tokens,
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
@@ -191,7 +203,8 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
         max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in gguf.tensor_names(),
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe"),
+        **experts,
         bos_token_id=gguf.field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
         name=name,
@@ -206,6 +219,21 @@ def _hf_name(gguf_name: str) -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
+
+
+def _expert_tensors(gguf: "GGUFFile", t: TensorInfo, layer: str, proj: str) -> Iterator[tuple[str, GGUFTensor]]:
+    """A stacked expert tensor [E, rows, cols] as E GGUFTensors (each expert's rows are contiguous
+    bytes), named like a safetensors checkpoint's experts."""
+    experts, rows, cols = reversed(t.shape)
+    kind = t.tensor_type
+    if kind not in GGMLType._value2member_map_:
+        raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: unsupported type {kind}")
+    block, size = BLOCK_SIZES[GGMLType(kind)]
+    if cols % block:
+        raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: row length {cols} is not a multiple of {block}")
+    data = as_bytes(gguf.data(t)).reshape(experts, rows, cols // block * size)
+    for e in range(experts):
+        yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", GGUFTensor(kind, data[e], (rows, cols))
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -254,8 +282,12 @@ def _raw_tensor(gguf: GGUFFile, t: TensorInfo) -> GGUFTensor | torch.Tensor:
 def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor | torch.Tensor]]:
     """Yield (HF checkpoint name, tensor) for every tensor the model uses: 2-D tensors as GGUFTensor
     (Q/K rows already un-permuted), 1-D ones as float32."""
-    permute = config.architecture in ("llama", "mistral")
+    permute = config.architecture in ("llama", "mistral", "mixtral")
     for t in gguf.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", t.name)
+        if m:
+            yield from _expert_tensors(gguf, t, m.group(1), _EXPERT_NAMES[m.group(2)])
+            continue
         name = _hf_name(t.name)
         if name is None:
             continue
