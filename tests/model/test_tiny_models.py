@@ -149,19 +149,26 @@ def test_qwen3_gguf_matches_transformers(tmp_path):
         assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
 
 
-def _write_qwen3_moe_gguf(path, weights: dict, kind) -> None:
-    """The tiny all-sparse Qwen3-MoE as llama.cpp's "qwen3moe" GGUF: experts stacked in
-    ffn_{gate,up,down}_exps [E, rows, cols], the router as ffn_gate_inp; linears in `kind`."""
+def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's convert script's Q/K row permutation for the "llama" arch (rotate-half → interleaved)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_moe_gguf(path, weights: dict, kind, arch: str, experts: int, width: int, rope_theta: float) -> None:
+    """A tiny MoE as llama.cpp writes it: `arch` "qwen3moe" (q/k norms, head_dim 32) or "llama"
+    (Mixtral: q/k rows permuted, an output matrix); experts stacked in ffn_{gate,up,down}_exps
+    [E, rows, cols], the router as ffn_gate_inp; linears in `kind`."""
     gguf = pytest.importorskip("gguf")
     T = gguf.GGMLQuantizationType
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = 32 if arch == "qwen3moe" else 16
     for add, value in [(writer.add_context_length, 512), (writer.add_embedding_length, 64),
                        (writer.add_block_count, 2), (writer.add_feed_forward_length, 128),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_key_length, 32),
-                       (writer.add_value_length, 32), (writer.add_layer_norm_rms_eps, 1e-6),
-                       (writer.add_rope_freq_base, 10000.0), (writer.add_vocab_size, 320),
-                       (writer.add_expert_count, 6), (writer.add_expert_used_count, 2),
-                       (writer.add_expert_feed_forward_length, 64)]:
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_key_length, head_dim),
+                       (writer.add_value_length, head_dim), (writer.add_layer_norm_rms_eps, 1e-6),
+                       (writer.add_rope_freq_base, rope_theta), (writer.add_vocab_size, 320),
+                       (writer.add_expert_count, experts), (writer.add_expert_used_count, 2),
+                       (writer.add_expert_feed_forward_length, width)]:
         add(value)
 
     def put(gguf_name: str, tensor: torch.Tensor, quantize: bool = False) -> None:
@@ -173,46 +180,73 @@ def _write_qwen3_moe_gguf(path, weights: dict, kind) -> None:
 
     put("token_embd.weight", weights["model.embed_tokens.weight"])
     put("output_norm.weight", weights["model.norm.weight"])
+    if "lm_head.weight" in weights:
+        put("output.weight", weights["lm_head.weight"], quantize=True)
     for i in range(2):
         p = f"model.layers.{i}."
-        for g, h in [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
-                     ("attn_output", "self_attn.o_proj")]:
-            put(f"blk.{i}.{g}.weight", weights[p + h + ".weight"], quantize=True)
-        for g, h in [("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
-                     ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
-                     ("ffn_gate_inp", "mlp.gate")]:
+        q, k = weights[p + "self_attn.q_proj.weight"], weights[p + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = _llama_cpp_permute(q, 4), _llama_cpp_permute(k, 2)
+        put(f"blk.{i}.attn_q.weight", q, quantize=True)
+        put(f"blk.{i}.attn_k.weight", k, quantize=True)
+        put(f"blk.{i}.attn_v.weight", weights[p + "self_attn.v_proj.weight"], quantize=True)
+        put(f"blk.{i}.attn_output.weight", weights[p + "self_attn.o_proj.weight"], quantize=True)
+        norms = [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                 ("ffn_gate_inp", "mlp.gate")]
+        if arch == "qwen3moe":
+            norms += [("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")]
+        for g, h in norms:
             put(f"blk.{i}.{g}.weight", weights[p + h + ".weight"])
         for g, h in [("ffn_gate_exps", "gate_proj"), ("ffn_up_exps", "up_proj"), ("ffn_down_exps", "down_proj")]:
-            put(f"blk.{i}.{g}.weight", torch.stack([weights[f"{p}mlp.experts.{e}.{h}.weight"] for e in range(6)]),
-                quantize=True)
+            put(f"blk.{i}.{g}.weight",
+                torch.stack([weights[f"{p}mlp.experts.{e}.{h}.weight"] for e in range(experts)]), quantize=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def test_qwen3_moe_gguf_matches_transformers(tmp_path):
-    """llama.cpp's "qwen3moe" GGUF of the tiny Qwen3-MoE with every layer sparse and top-k
-    renormalised, as llama.cpp builds it: f32 gives transformers' logits; Q8_0 experts stay packed,
-    one PackedWeight per expert."""
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"], ids=["qwen3moe", "mixtral-as-llama"])
+def test_moe_gguf_matches_transformers(tmp_path, arch):
+    """llama.cpp's MoE GGUF layouts of the tiny Qwen3-MoE (every layer sparse, top-k renormalised, as
+    llama.cpp builds it) and the tiny Mixtral (arch "llama" with expert_count, q/k rows permuted):
+    f32 gives transformers' logits; Q8_0 experts stay packed, one PackedWeight per expert, and give
+    the logits of the same file dequantized."""
     gguf = pytest.importorskip("gguf")
     from safetensors.torch import load_file
 
+    from ferrylm.config import QuantConfig
+    from ferrylm.model.loaders.hf_loader import canonical_weights, load_hf_config
     from ferrylm.model.quant.packed import PackedWeight
 
-    directory = make_tiny_model("qwen3_moe", tmp_path / "moe", mlp_only_layers=[], norm_topk_prob=True,
-                                moe_intermediate_size=64)  # Q8_0 rows: a multiple of 32
-    weights = load_file(str(directory / "model.safetensors"))
+    if arch == "qwen3moe":
+        directory = make_tiny_model("qwen3_moe", tmp_path / "moe", mlp_only_layers=[], norm_topk_prob=True,
+                                    moe_intermediate_size=64)  # Q8_0 rows: a multiple of 32
+        experts, width, want_arch = 6, 64, "qwen3_moe"
+    else:
+        directory = make_tiny_model("mixtral", tmp_path / "moe")
+        experts, width, want_arch = 4, 128, "mixtral"
+    # Mixtral's block_sparse_moe.experts.E.w1/w2/w3 under the names the writer reads
+    config = load_hf_config(directory, "moe")
+    weights = dict(canonical_weights(iter(load_file(str(directory / "model.safetensors")).items()), config))
     prompt = list(range(3, 60))
     expected = _reference_logits(directory, prompt)
     T = gguf.GGMLQuantizationType
-    for name, kind, tol in [("f32", T.F32, 1e-4), ("q8", T.Q8_0, 5e-2)]:
+    batch = ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK)
+    for name, kind in [("f32", T.F32), ("q8", T.Q8_0)]:
         path = tmp_path / f"{name}.gguf"
-        _write_qwen3_moe_gguf(path, weights, kind)
+        _write_moe_gguf(path, weights, kind, arch, experts, width, config.rope_theta)
         model, caches = _ours(path, fast=True)
-        assert model.config.architecture == "qwen3_moe" and model.config.num_experts == 6
-        if kind != T.F32:
-            assert isinstance(model.layers[1].mlp.experts[5].down_proj.packed, PackedWeight)
+        assert model.config.architecture == want_arch and model.config.num_experts == experts
         with torch.no_grad():
-            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
-        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
+            got = model.compute_logits(model(batch, caches))
+        if kind == T.F32:  # the same weights: transformers' logits
+            assert (got - expected).abs().max().item() < 1e-4 * max(1.0, expected.abs().max().item())
+            continue
+        # Q8_0: every expert kept packed, computing what the file's blocks dequantize to
+        assert isinstance(model.layers[1].mlp.experts[experts - 1].down_proj.packed, PackedWeight)
+        twin = load_model(Checkpoint(resolve_model(str(path))), torch.float32, torch.device("cpu"),
+                          model.attn_backend, quantization=QuantConfig("none"))
+        with torch.no_grad():
+            want = twin.compute_logits(twin(batch, caches))
+        assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
