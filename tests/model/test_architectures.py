@@ -71,9 +71,10 @@ def test_rope_scaling_we_cannot_honour_is_a_load_error_naming_it(tmp_path):
         load_hf_config(directory, "p")
 
 
-def test_moe_routes_by_expert_not_by_token_and_refuses_tensor_parallel(tmp_path):
-    """Each active expert runs once per step over all its tokens; TP of an MoE model (and of Phi-3's
-    fused weights) is a clear ConfigError until expert parallelism exists, never a wrong answer."""
+def test_moe_routes_by_expert_not_by_token_and_phi3_refuses_tensor_parallel(tmp_path):
+    """Each active expert runs once per step over all its tokens; TP of an MoE model splits each
+    expert's columns (test_tensor_parallel compares it with TP=1); Phi-3's fused weights under TP
+    are a clear ConfigError, never a wrong answer."""
     from ferrylm.config import ConfigError
     from ferrylm.model.arch.moe import SparseMoeBlock
     from ferrylm.model.loaders.hf_loader import load_hf_config
@@ -86,8 +87,7 @@ def test_moe_routes_by_expert_not_by_token_and_refuses_tensor_parallel(tmp_path)
         expert.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
     block(torch.randn(40, config.hidden_size))
     assert len(calls) <= config.num_experts and sum(calls) == 40 * config.num_experts_per_tok
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        shard_plan(config, 0, 2)
+    assert shard_plan(config, 1, 2).expert_intermediate == range(64, 128)  # TP splits each expert's columns
     with pytest.raises(ConfigError, match="Phi-3"):
         shard_plan(load_hf_config(make_tiny_model("phi3", tmp_path / "p"), "p"), 0, 2)
 

@@ -32,8 +32,9 @@ def _compare(plain: LLM, tp: LLM, prompts: list, params: SamplingParams = PARAMS
 
 # Llama is covered by its hardest case (1 KV head: replicated across the ranks); SmolLM2 (Llama) with
 # its uneven 6/3 head split is in the test below.
-@pytest.mark.parametrize("kind, overrides", [("qwen2", {}), ("mistral", {}), ("llama", {"num_key_value_heads": 1})],
-                         ids=["qwen2", "mistral", "llama-1-kv-head"])
+@pytest.mark.parametrize("kind, overrides", [("qwen2", {}), ("mistral", {}), ("llama", {"num_key_value_heads": 1}),
+                                             ("qwen3_moe", {}), ("mixtral", {})],
+                         ids=["qwen2", "mistral", "llama-1-kv-head", "qwen3-moe", "mixtral"])
 def test_tp2_equals_tp1_on_tiny_models(tmp_path, kind, overrides):
     directory = str(add_word_tokenizer(make_tiny_model(kind, tmp_path / kind, **overrides)))
     prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70, 100 + i, 7] * (1 + 3 * i)} for i in range(4)]

@@ -76,7 +76,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.self_attn = LlamaAttention(config, rotary, backend, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.mlp: nn.Module = SparseMoeBlock(config, quant) if config.is_moe_layer(layer_index) else \
+        self.mlp: nn.Module = SparseMoeBlock(config, quant, tp) if config.is_moe_layer(layer_index) else \
             LlamaMLP(config, quant, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,

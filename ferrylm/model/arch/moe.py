@@ -4,9 +4,13 @@ pair per expert, no per-token loop), its output scaled by the routing weight and
 
 Each expert is a LlamaMLP-shaped pair of Linears, so checkpoint names (`experts.E.gate_proj` ...)
 load through the same packing and QuantMethod as the dense MLP (--quantization int8/int4 packs
-the experts too)."""
+the experts too). Under tensor parallelism every rank holds every expert's slice of columns (the
+router is replicated, so all ranks route alike) and the partial sums are all-reduced, as vLLM
+does without expert parallelism."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,8 +35,9 @@ class SparseMoeBlock(nn.Module):
     """Router + experts. `config.norm_topk_prob`: renormalise the k chosen probabilities to sum to
     one (Mixtral always; Qwen3-MoE as its config says)."""
 
-    def __init__(self, config: ModelConfig, quant: QuantMethod | None = None):
+    def __init__(self, config: ModelConfig, quant: QuantMethod | None = None, tp: Any = None):
         super().__init__()
+        self.tp = tp  # tensor parallel: each rank holds every expert's slice of columns; partial sums all-reduced
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, quant=UnquantizedMethod())  # the router
         self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size, quant)
@@ -56,4 +61,4 @@ class SparseMoeBlock(nn.Module):
                 rows = tokens[start:start + count]
                 out.index_add_(0, rows, expert(x.index_select(0, rows)) * routed[start:start + count])
                 start += count
-        return out
+        return out if self.tp is None else self.tp.group.all_reduce(out)

@@ -143,6 +143,15 @@ _MIXTRAL_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.(gate|experts\.\d+\.(w[12
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name as loading knows it (Mixtral's experts renamed; others as they are)."""
+    m = _MIXTRAL_EXPERT.fullmatch(name)
+    if not m:
+        return name
+    part = m.group(2) if m.group(3) is None else m.group(2).replace(m.group(3), _MIXTRAL_PROJ[m.group(3)])
+    return f"{m.group(1)}.mlp.{part}.weight"
+
+
 def canonical_weights(weights: Iterator[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors under the one naming loading, quantization and tensor-parallel sharding
     know: a fused `qkv_proj` / `gate_up_proj` (Phi-3) split into q/k/v and gate/up, Mixtral's
@@ -151,10 +160,7 @@ def canonical_weights(weights: Iterator[tuple[str, Any]], config: ModelConfig) -
     for name, tensor in weights:
         if not isinstance(tensor, torch.Tensor) and name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
             raise ModelLoadError(f"{name}: a quantized fused projection is not supported")
-        m = _MIXTRAL_EXPERT.fullmatch(name)
-        if m:
-            part = m.group(2) if m.group(3) is None else m.group(2).replace(m.group(3), _MIXTRAL_PROJ[m.group(3)])
-            name = f"{m.group(1)}.mlp.{part}.weight"
+        name = canonical_name(name)
         if name.endswith(".qkv_proj.weight"):
             base = name.removesuffix("qkv_proj.weight")
             yield from zip((base + p + "_proj.weight" for p in "qkv"), tensor.split([q, kv, kv]))

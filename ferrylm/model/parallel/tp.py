@@ -45,15 +45,15 @@ class TPShard:
     q_heads: range
     kv_heads: range
     intermediate: range
+    expert_intermediate: range  # each expert's columns this rank keeps (MoE: experts split like the MLP)
     vocab: range
 
 
 def shard_plan(config: ModelConfig, rank: int, world: int) -> TPShard:
     """Heads, intermediate columns and vocabulary rows of one rank; a ConfigError when the model
     cannot be split that many ways."""
-    if config.num_experts or config.architecture == "phi3" or config.prequantized:
-        what = "mixture-of-experts models" if config.num_experts else \
-            f"{config.prequantized} checkpoints" if config.prequantized else \
+    if config.architecture == "phi3" or config.prequantized:
+        what = f"{config.prequantized} checkpoints" if config.prequantized else \
             "checkpoints with fused qkv/gate_up weights (Phi-3)"
         raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of {what} is not supported yet; "
                           "run with --tensor-parallel-size 1")
@@ -74,16 +74,18 @@ def shard_plan(config: ModelConfig, rank: int, world: int) -> TPShard:
         kv_heads = range(kv_head, kv_head + 1)
         own = _split(group, reps, rank % reps)
         q_heads = range(kv_head * group + own.start, kv_head * group + own.stop)
-    if world > config.intermediate_size or world > config.vocab_size:
+    if world > config.intermediate_size or world > config.vocab_size or \
+            (config.num_experts and world > config.moe_intermediate_size):
         raise ConfigError(f"--tensor-parallel-size {world} is larger than the model's layers can be split")
     return TPShard(rank, world, q_heads, kv_heads, _split(config.intermediate_size, world, rank),
-                   _split(config.vocab_size, world, rank))
+                   _split(config.moe_intermediate_size, world, rank), _split(config.vocab_size, world, rank))
 
 
 def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
     """The shapes of one rank's model: its heads, intermediate columns and vocabulary rows."""
     return replace(config, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads),
-                   intermediate_size=len(shard.intermediate), vocab_size=len(shard.vocab))
+                   intermediate_size=len(shard.intermediate), vocab_size=len(shard.vocab),
+                   moe_intermediate_size=len(shard.expert_intermediate))
 
 
 def shard_index(name: str, config: ModelConfig, shard: TPShard) -> tuple[slice | None, slice | None]:
@@ -91,7 +93,8 @@ def shard_index(name: str, config: ModelConfig, shard: TPShard) -> tuple[slice |
     d = config.head_dim
     q = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
     kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
-    inter = slice(shard.intermediate.start, shard.intermediate.stop)
+    own = shard.expert_intermediate if ".experts." in name else shard.intermediate
+    inter = slice(own.start, own.stop)
     vocab = slice(shard.vocab.start, shard.vocab.stop)
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter,
             "embed_tokens": vocab, "lm_head": vocab}
@@ -139,15 +142,16 @@ class ShardedCheckpoint:
     def _safetensors_slices(self, directory: Any):
         from safetensors import safe_open
 
-        from ferrylm.model.loaders.hf_loader import _shard_files
+        from ferrylm.model.loaders.hf_loader import _shard_files, canonical_name
 
         for path in _shard_files(directory):
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    rows, cols = shard_index(key, self.full_config, self.shard)
+                    name = canonical_name(key)
+                    rows, cols = shard_index(name, self.full_config, self.shard)
                     part = f.get_slice(key)
                     t = part[rows] if rows is not None else part[:, cols] if cols is not None else part[:]
-                    yield key, t.float().contiguous()
+                    yield name, t.float().contiguous()
 
 
 class TPGroup:
