@@ -74,6 +74,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         enforce_eager=args.enforce_eager, speculative=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, grammar_compile_timeout_s=args.grammar_compile_timeout,
+        enable_expert_parallel=args.enable_expert_parallel,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype,
@@ -111,6 +112,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models under --tensor-parallel-size: place whole experts on the ranks "
+                        "instead of splitting every expert's columns")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", nargs="+", default=None,

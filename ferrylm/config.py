@@ -37,6 +37,7 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the chosen experts' router probabilities
     moe_layers: tuple[int, ...] | None = None  # layers whose MLP is sparse; None: all (when num_experts)
     prequantized: str | None = None  # "awq" | "gptq": the checkpoint's Linears are int4 (quantization_config)
+    local_experts: tuple[int, ...] | None = None  # expert parallelism: the experts this rank holds; None: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
@@ -227,6 +228,9 @@ class EngineConfig:
     enforce_eager: bool = False  # --enforce-eager: no compiled decode step (CPU) and no CUDA graphs
     speculative: SpeculativeConfig | None = None  # --speculative-config
     tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks holding a shard of every layer
+    # --enable-expert-parallel (vLLM's): an MoE model's experts are placed whole on the ranks (each rank
+    # its share of them) instead of every rank holding a slice of every expert
+    enable_expert_parallel: bool = False
     grammar_compile_timeout_s: float = 5.0  # --grammar-compile-timeout: a structured-output compile past it is a 400
 
     def __post_init__(self) -> None:

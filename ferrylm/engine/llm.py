@@ -26,7 +26,7 @@ class LLM:
                  device: str = "cpu", seed: int = 0, quantization: str | None = None, enforce_eager: bool = False,
                  kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
                  tensor_parallel_size: int = 1, swap_space: float = 4.0, preemption_mode: str = "auto",
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, enable_expert_parallel: bool = False):
         """`quantization`: vLLM's flag name; "none", "int8", "int4" (-g32/-g64/-g128/-g256: inputs per
         scale), "gguf" (keep a GGUF file's blocks packed) or "fp8" (CUDA). Unset: a GGUF model stays
         packed where a packed kernel runs (the CPU), anything else is unquantized.
@@ -38,6 +38,7 @@ class LLM:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, quantization=quantization, enforce_eager=enforce_eager,
             speculative=SpeculativeConfig.parse(speculative_config), tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
             cache=CacheConfig(block_size=block_size, num_blocks=num_gpu_blocks, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype,
                               swap_space=swap_space),

@@ -66,12 +66,13 @@ class ModelRunner:
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto",
                  quantization: QuantConfig | None = None, speculative: SpeculativeConfig | None = None,
-                 tp: TPGroup | None = None, compile_in_background: bool = True, int8_activations: bool = False):
+                 tp: TPGroup | None = None, compile_in_background: bool = True, int8_activations: bool = False,
+                 expert_parallel: bool = False):
         self.config: ModelConfig = checkpoint.config  # the whole model's (vocabulary, layers, EOS)
         if tp is not None and device.type != "cpu":
             raise ConfigError("--tensor-parallel-size > 1 runs on CPU (gloo) in this version; NCCL on CUDA is not "
                               "built yet")
-        self.tp = None if tp is None else TPContext.build(tp, checkpoint.config)
+        self.tp = None if tp is None else TPContext.build(tp, checkpoint.config, expert_parallel)
         load_from = checkpoint if self.tp is None else ShardedCheckpoint(checkpoint, self.tp.shard)
         self.local_config: ModelConfig = load_from.config  # this rank's heads and widths (all of them without TP)
         # collectives are not captured into graphs; an MoE step's expert groups are data-dependent

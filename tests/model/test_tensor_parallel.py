@@ -11,6 +11,7 @@ import re
 import signal
 
 import pytest
+import torch
 
 from ferrylm import LLM, SamplingParams
 from ferrylm.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
@@ -32,14 +33,22 @@ def _compare(plain: LLM, tp: LLM, prompts: list, params: SamplingParams = PARAMS
 
 # Llama is covered by its hardest case (1 KV head: replicated across the ranks); SmolLM2 (Llama) with
 # its uneven 6/3 head split is in the test below.
-@pytest.mark.parametrize("kind, overrides", [("qwen2", {}), ("mistral", {}), ("llama", {"num_key_value_heads": 1}),
-                                             ("qwen3_moe", {}), ("mixtral", {})],
-                         ids=["qwen2", "mistral", "llama-1-kv-head", "qwen3-moe", "mixtral"])
-def test_tp2_equals_tp1_on_tiny_models(tmp_path, kind, overrides):
+@pytest.mark.parametrize("kind, overrides, expert_parallel", [
+    ("qwen2", {}, False), ("mistral", {}, False), ("llama", {"num_key_value_heads": 1}, False),
+    ("qwen3_moe", {}, False), ("mixtral", {}, False), ("qwen3_moe", {}, True)],
+    ids=["qwen2", "mistral", "llama-1-kv-head", "qwen3-moe", "mixtral", "qwen3-moe-expert-parallel"])
+def test_tp2_equals_tp1_on_tiny_models(tmp_path, kind, overrides, expert_parallel):
+    """MoE: each expert's columns split over the ranks, or (expert parallel) whole experts placed on
+    them; the tiny Qwen3-MoE has a dense layer 0, split like any MLP either way."""
     directory = str(add_word_tokenizer(make_tiny_model(kind, tmp_path / kind, **overrides)))
     prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70, 100 + i, 7] * (1 + 3 * i)} for i in range(4)]
     plain = LLM(directory, dtype="float32", enforce_eager=True)
-    tp = LLM(directory, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32)  # chunked prefill
+    tp = LLM(directory, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32,  # chunked prefill
+             enable_expert_parallel=expert_parallel)
+    if expert_parallel:
+        held = [e for e, m in enumerate(tp.engine.executor.runner.model.layers[1].mlp.experts)
+                if not isinstance(m, torch.nn.Identity)]
+        assert held == [0, 1, 2]  # rank 0's half of the 6 experts
     try:
         _compare(plain, tp, prompts)
     finally:

@@ -6,7 +6,9 @@ Each expert is a LlamaMLP-shaped pair of Linears, so checkpoint names (`experts.
 load through the same packing and QuantMethod as the dense MLP (--quantization int8/int4 packs
 the experts too). Under tensor parallelism every rank holds every expert's slice of columns (the
 router is replicated, so all ranks route alike) and the partial sums are all-reduced, as vLLM
-does without expert parallelism."""
+does without expert parallelism; with it (--enable-expert-parallel) each rank holds whole experts,
+a contiguous share, runs only those, and the all-reduce sums every rank's contribution. Every rank
+sees every token (its activations are replicated after each all-reduce), so no all-to-all is needed."""
 
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp  # tensor parallel: each rank holds every expert's slice of columns; partial sums all-reduced
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, quant=UnquantizedMethod())  # the router
+        # expert parallelism: the experts of other ranks are placeholders this rank never runs
+        self.local = set(range(config.num_experts) if config.local_experts is None else config.local_experts)
         self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size, quant)
-                                     for _ in range(config.num_experts))
+                                     if e in self.local else nn.Identity() for e in range(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E], float32 like the reference
@@ -55,10 +59,10 @@ class SparseMoeBlock(nn.Module):
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         routed = weights.flatten()[order, None]
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
+        start = 0  # the loop below also advances past other ranks' experts
+        for e, (expert, count) in enumerate(zip(self.experts, counts)):
+            if count and e in self.local:
                 rows = tokens[start:start + count]
                 out.index_add_(0, rows, expert(x.index_select(0, rows)) * routed[start:start + count])
-                start += count
+            start += count
         return out if self.tp is None else self.tp.group.all_reduce(out)

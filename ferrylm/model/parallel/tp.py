@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import re
 import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -47,11 +48,13 @@ class TPShard:
     intermediate: range
     expert_intermediate: range  # each expert's columns this rank keeps (MoE: experts split like the MLP)
     vocab: range
+    experts: range | None = None  # expert parallelism: the experts this rank holds whole; None: all
 
 
-def shard_plan(config: ModelConfig, rank: int, world: int) -> TPShard:
-    """Heads, intermediate columns and vocabulary rows of one rank; a ConfigError when the model
-    cannot be split that many ways."""
+def shard_plan(config: ModelConfig, rank: int, world: int, expert_parallel: bool = False) -> TPShard:
+    """Heads, intermediate columns and vocabulary rows of one rank; with `expert_parallel`, whole
+    experts (a contiguous share of them) instead of every expert's columns. A ConfigError when the
+    model cannot be split that many ways."""
     if config.architecture == "phi3" or config.prequantized:
         what = f"{config.prequantized} checkpoints" if config.prequantized else \
             "checkpoints with fused qkv/gate_up weights (Phi-3)"
@@ -77,6 +80,14 @@ def shard_plan(config: ModelConfig, rank: int, world: int) -> TPShard:
     if world > config.intermediate_size or world > config.vocab_size or \
             (config.num_experts and world > config.moe_intermediate_size):
         raise ConfigError(f"--tensor-parallel-size {world} is larger than the model's layers can be split")
+    if expert_parallel:
+        if not config.num_experts:
+            raise ConfigError("--enable-expert-parallel needs a mixture-of-experts model")
+        if world > config.num_experts:
+            raise ConfigError(f"--enable-expert-parallel: {world} ranks for {config.num_experts} experts")
+        return TPShard(rank, world, q_heads, kv_heads, _split(config.intermediate_size, world, rank),
+                       range(config.moe_intermediate_size), _split(config.vocab_size, world, rank),
+                       _split(config.num_experts, world, rank))
     return TPShard(rank, world, q_heads, kv_heads, _split(config.intermediate_size, world, rank),
                    _split(config.moe_intermediate_size, world, rank), _split(config.vocab_size, world, rank))
 
@@ -85,7 +96,15 @@ def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
     """The shapes of one rank's model: its heads, intermediate columns and vocabulary rows."""
     return replace(config, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads),
                    intermediate_size=len(shard.intermediate), vocab_size=len(shard.vocab),
-                   moe_intermediate_size=len(shard.expert_intermediate))
+                   moe_intermediate_size=len(shard.expert_intermediate),
+                   local_experts=None if shard.experts is None else tuple(shard.experts))
+
+
+def holds(name: str, shard: TPShard) -> bool:
+    """Whether this rank loads checkpoint tensor `name` at all: under expert parallelism only its
+    own experts' weights."""
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    return shard.experts is None or m is None or int(m.group(1)) in shard.experts
 
 
 def shard_index(name: str, config: ModelConfig, shard: TPShard) -> tuple[slice | None, slice | None]:
@@ -128,6 +147,8 @@ class ShardedCheckpoint:
             yield from self._safetensors_slices(source.path)
             return
         for name, tensor in self._checkpoint.weights():
+            if not holds(name, self.shard):
+                continue
             rows, cols = shard_index(name, self.full_config, self.shard)
             if not isinstance(tensor, torch.Tensor):  # GGUF blocks: rows are independent byte rows
                 if rows is not None:
@@ -148,6 +169,8 @@ class ShardedCheckpoint:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
                     name = canonical_name(key)
+                    if not holds(name, self.shard):
+                        continue
                     rows, cols = shard_index(name, self.full_config, self.shard)
                     part = f.get_slice(key)
                     t = part[rows] if rows is not None else part[:, cols] if cols is not None else part[:]
@@ -222,8 +245,8 @@ class TPContext:
     vocab_sizes: list[int]
 
     @classmethod
-    def build(cls, group: TPGroup, config: ModelConfig) -> "TPContext":
-        return cls(group, shard_plan(config, group.rank, group.world),
+    def build(cls, group: TPGroup, config: ModelConfig, expert_parallel: bool = False) -> "TPContext":
+        return cls(group, shard_plan(config, group.rank, group.world, expert_parallel),
                    [len(shard_plan(config, r, group.world).vocab) for r in range(group.world)])
 
     def embed(self, embed_local, input_ids: torch.Tensor) -> torch.Tensor:

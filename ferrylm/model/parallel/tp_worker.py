@@ -67,7 +67,8 @@ def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, 
     runner = ModelRunner(checkpoint, config.cache, resolve_dtype(config.dtype, device), device, max_model_len,
                          config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                          enforce_eager=config.enforce_eager, quantization=config.quant,
-                         speculative=config.speculative, tp=tp_group, int8_activations=int8_activations)
+                         speculative=config.speculative, tp=tp_group, int8_activations=int8_activations,
+                         expert_parallel=config.enable_expert_parallel)
     return runner, source, max_model_len
 
 
