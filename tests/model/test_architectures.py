@@ -71,10 +71,10 @@ def test_rope_scaling_we_cannot_honour_is_a_load_error_naming_it(tmp_path):
         load_hf_config(directory, "p")
 
 
-def test_moe_routes_by_expert_not_by_token_and_phi3_refuses_tensor_parallel(tmp_path):
+def test_moe_routes_by_expert_not_by_token(tmp_path):
     """Each active expert runs once per step over all its tokens; TP of an MoE model splits each
-    expert's columns (test_tensor_parallel compares it with TP=1); Phi-3's fused weights under TP
-    are a clear ConfigError, never a wrong answer."""
+    expert's columns (test_tensor_parallel compares it with TP=1); expert parallelism of a dense
+    model is a clear ConfigError."""
     from ferrylm.config import ConfigError
     from ferrylm.model.arch.moe import SparseMoeBlock
     from ferrylm.model.loaders.hf_loader import load_hf_config
@@ -88,8 +88,8 @@ def test_moe_routes_by_expert_not_by_token_and_phi3_refuses_tensor_parallel(tmp_
     block(torch.randn(40, config.hidden_size))
     assert len(calls) <= config.num_experts and sum(calls) == 40 * config.num_experts_per_tok
     assert shard_plan(config, 1, 2).expert_intermediate == range(64, 128)  # TP splits each expert's columns
-    with pytest.raises(ConfigError, match="Phi-3"):
-        shard_plan(load_hf_config(make_tiny_model("phi3", tmp_path / "p"), "p"), 0, 2)
+    with pytest.raises(ConfigError, match="--enable-expert-parallel needs a mixture-of-experts model"):
+        shard_plan(load_hf_config(make_tiny_model("phi3", tmp_path / "p"), "p"), 0, 2, expert_parallel=True)
 
 
 def test_moe_target_with_a_dense_draft_equals_plain_decoding(tmp_path):

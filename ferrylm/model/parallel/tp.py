@@ -55,11 +55,9 @@ def shard_plan(config: ModelConfig, rank: int, world: int, expert_parallel: bool
     """Heads, intermediate columns and vocabulary rows of one rank; with `expert_parallel`, whole
     experts (a contiguous share of them) instead of every expert's columns. A ConfigError when the
     model cannot be split that many ways."""
-    if config.architecture == "phi3" or config.prequantized:
-        what = f"{config.prequantized} checkpoints" if config.prequantized else \
-            "checkpoints with fused qkv/gate_up weights (Phi-3)"
-        raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of {what} is not supported yet; "
-                          "run with --tensor-parallel-size 1")
+    if config.prequantized:
+        raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of {config.prequantized} checkpoints "
+                          "is not supported yet; run with --tensor-parallel-size 1")
     heads, kv = config.num_heads, config.num_kv_heads
     group = heads // kv
     if world <= kv:
@@ -143,7 +141,8 @@ class ShardedCheckpoint:
 
     def weights(self):
         source = self._checkpoint.source
-        if getattr(source, "kind", None) == "hf":
+        # a checkpoint with fused projections (Phi-3) goes through the loader's split, then is sliced
+        if getattr(source, "kind", None) == "hf" and self.full_config.architecture != "phi3":
             yield from self._safetensors_slices(source.path)
             return
         for name, tensor in self._checkpoint.weights():
