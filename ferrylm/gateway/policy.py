@@ -31,12 +31,12 @@ from ferrylm.gateway.config import AdmissionConfig, GatewayConfig, JWTConfig
 from ferrylm.gateway.errors import AuthError, too_many_requests
 from ferrylm.gateway.quotas import ConcurrencyLimiter, DailyQuota
 from ferrylm.gateway.rate_limit import (
+    BucketHold,
     BucketStorage,
     MemoryBucketStorage,
     RateLimiter,
     RateLimitResult,
     RateScope,
-    Reservation,
 )
 from ferrylm.gateway.store import Store
 from ferrylm.http.errors import APIError
@@ -61,7 +61,7 @@ class Admission:
     prompt_tokens: int
     max_tokens: int
     daily_hold: int
-    reservation: Reservation | None
+    reservation: BucketHold | None
     rate_limit: RateLimitResult | None
     projected_wait_s: float | None
     num_sequences: int = 1  # engine requests (prompts × n), each held against the concurrency cap

@@ -116,8 +116,8 @@ class RateScope(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """Tokens held in these token buckets until `settle`."""
+class BucketHold:
+    """Tokens held in these token buckets until `settle` (what a rate-limit admission took)."""
 
     token_specs: tuple[BucketSpec, ...]
     tokens: int
@@ -157,7 +157,7 @@ class RateLimitResult:
     retry_after_s: float | None = None  # refused and waiting helps: when it will fit
     limited_by: str | None = None  # "requests" | "tokens" when refused
     too_large: bool = False  # needs more tokens than the bucket holds: waiting never helps
-    reservation: Reservation | None = None
+    reservation: BucketHold | None = None
 
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for the buckets that apply."""
@@ -201,7 +201,7 @@ class RateLimiter:
         """Take 1 request (unless `requests` is False: charged already) and `tokens` from each bucket."""
         specs, amounts = _specs(scopes, tokens, requests)
         if not specs:
-            return RateLimitResult(True, reservation=Reservation((), tokens))
+            return RateLimitResult(True, reservation=BucketHold((), tokens))
         for spec in specs:
             if spec.kind == "tokens" and tokens > spec.capacity:
                 return RateLimitResult(False, tokens=BucketView(int(spec.capacity), 0, 0.0),
@@ -210,12 +210,12 @@ class RateLimiter:
         request_view, token_view = _view(specs, taken.levels, "requests"), _view(specs, taken.levels, "tokens")
         if taken.allowed:
             token_specs = tuple(s for s in specs if s.kind == "tokens")
-            return RateLimitResult(True, request_view, token_view, reservation=Reservation(token_specs, tokens))
+            return RateLimitResult(True, request_view, token_view, reservation=BucketHold(token_specs, tokens))
         worst = max(range(len(specs)), key=lambda i: taken.waits[i])
         return RateLimitResult(False, request_view, token_view, retry_after_s=taken.waits[worst],
                                limited_by=specs[worst].kind)
 
-    def settle(self, reservation: Reservation, actual_tokens: int) -> None:
+    def settle(self, reservation: BucketHold, actual_tokens: int) -> None:
         """Give back reserved-but-unused tokens (or charge an overrun) once the request ends."""
         delta = reservation.tokens - actual_tokens
         if delta and reservation.token_specs:

@@ -10,13 +10,13 @@ from typing import NamedTuple
 from ferrylm.request_limits import resolve_max_tokens
 
 
-class Reservation(NamedTuple):
+class ReservedTokens(NamedTuple):
     prompt_tokens: int  # every prompt, once per choice
     output_tokens: int  # the most every choice of every prompt may generate
 
 
 def reserved_tokens(prompt_lens: list[int], n: int, max_tokens: int | None, max_model_len: int | None,
-                    fallback_max_tokens: int | None = None) -> Reservation:
+                    fallback_max_tokens: int | None = None) -> ReservedTokens:
     """Prompt and output tokens to reserve for `n` choices of each prompt.
 
     With `max_tokens` each choice may generate that many. Without it the engine runs each choice
@@ -33,4 +33,4 @@ def reserved_tokens(prompt_lens: list[int], n: int, max_tokens: int | None, max_
             per_prompt.append(fallback_max_tokens)
         else:
             raise ValueError("without max_tokens the reservation needs max_model_len or a fallback")
-    return Reservation(sum(prompt_lens) * n, sum(per_prompt) * n)
+    return ReservedTokens(sum(prompt_lens) * n, sum(per_prompt) * n)

@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from ferrylm.gateway.reservation import Reservation, reserved_tokens
+from ferrylm.gateway.reservation import ReservedTokens, reserved_tokens
 
 
 def test_max_tokens_per_choice_per_prompt():
-    assert reserved_tokens([10], 1, 50, 2048) == Reservation(10, 50)
-    assert reserved_tokens([10, 30], 3, 50, 2048) == Reservation(120, 300)
+    assert reserved_tokens([10], 1, 50, 2048) == ReservedTokens(10, 50)
+    assert reserved_tokens([10, 30], 3, 50, 2048) == ReservedTokens(120, 300)
     assert reserved_tokens([10], 1, 50, None) == (10, 50), "max_tokens needs no context window"
 
 
