@@ -14,7 +14,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Shape of a Llama-family transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "mixtral" | "qwen3_moe"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "mixtral" | "qwen3_moe" | "llama4"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,6 +36,12 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' router probabilities
     moe_layers: tuple[int, ...] | None = None  # layers whose MLP is sparse; None: all (when num_experts)
+    # "softmax": top-k of the router's probabilities weights each expert's output (Mixtral, Qwen);
+    # "sigmoid": the sigmoid of each chosen expert's logit scales its input (Llama 4)
+    moe_router: str = "softmax"
+    shared_expert_intermediate_size: int = 0  # an expert every token goes through besides its routed ones
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (Llama 4)
+    qk_l2_norm: bool = False  # Llama 4: q and k RMS-normalised (no weight) after RoPE, on RoPE layers
     prequantized: str | None = None  # "awq" | "gptq": the checkpoint's Linears are int4 (quantization_config)
     local_experts: tuple[int, ...] | None = None  # expert parallelism: the experts this rank holds; None: all
     bos_token_id: int | None = None

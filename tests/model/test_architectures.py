@@ -31,7 +31,7 @@ def _greedy_reference(directory, prompt: list[int]) -> tuple[list[int], list[flo
     return ids[len(prompt):], logprobs
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "phi3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "mixtral", "qwen3_moe", "llama4"])
 def test_greedy_equals_transformers_batched_with_prefix_cache_and_chunks(kind, tmp_path):
     from ferrylm import LLM
 
@@ -111,3 +111,29 @@ def test_moe_target_with_a_dense_draft_equals_plain_decoding(tmp_path):
     expert = int8.engine.executor.model.layers[0].mlp.experts[0]  # TP 1: the runner is the executor
     assert expert.gate_up_proj.quant.name == "int8" and expert.down_proj.quant.name == "int8"
     assert len(int8.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+def test_llama4_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Llama 4 ships as Llama4ForConditionalGeneration: config under text_config, weights under
+    language_model.; the text model loads from it (the vision tower's tensors are not read) and
+    gives the text-only checkpoint's logits."""
+    from safetensors.torch import load_file, save_file
+
+    from ferrylm.model.forward_batch import ForwardBatch
+    from tests.model.test_tiny_models import _ours
+
+    text = make_tiny_model("llama4", tmp_path / "text")
+    both = tmp_path / "multimodal"
+    both.mkdir()
+    weights = {f"language_model.{k}": v for k, v in load_file(str(text / "model.safetensors")).items()}
+    save_file(weights | {"vision_model.patch_embedding.weight": torch.zeros(8, 8)}, str(both / "model.safetensors"))
+    text_config = json.loads((text / "config.json").read_text())
+    (both / "config.json").write_text(json.dumps({"architectures": ["Llama4ForConditionalGeneration"],
+                                                  "text_config": text_config, "vision_config": {}}))
+    prompt = list(range(3, 40))
+    logits = []
+    for directory in (text, both):
+        model, caches = _ours(directory)
+        with torch.no_grad():
+            logits.append(model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], 16), caches)))
+    assert torch.equal(logits[0], logits[1])

@@ -38,7 +38,8 @@ def _reference_logits(directory, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["torch-native", "cpu-kernels"])
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "llama4",
+                                  "mistral"])
 def test_varlen_batch_matches_transformers(kind, fast, tmp_path):
     directory = make_tiny_model(kind, tmp_path / kind)
     model, caches = _ours(directory, fast)

@@ -12,7 +12,7 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_
 
 def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, **overrides) -> Path:
     """Save a tiny random model of `kind` (llama | llama3 | qwen2 | qwen3 | phi3 | mixtral | qwen3_moe |
-    mistral) into `directory`."""
+    llama4 | mistral) into `directory`."""
     import transformers
 
     torch.manual_seed(0)
@@ -38,6 +38,14 @@ def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, *
                                                 "moe_intermediate_size": 48, "norm_topk_prob": False,
                                                 "mlp_only_layers": [0], **kw},
                                              tie_word_embeddings=True, use_sliding_window=False)
+    elif kind == "llama4":  # dense layers 0 and 2, MoE 1 and 3 (4 experts, top 1, a shared expert), layer 3 NoPE
+        config = transformers.Llama4TextConfig(**{"intermediate_size": 64, "intermediate_size_mlp": 128,
+                                                  "num_hidden_layers": 4, "head_dim": 16, "num_local_experts": 4,
+                                                  "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                                                  "no_rope_layers": [1, 1, 1, 0], "attention_chunk_size": 512,
+                                                  "use_qk_norm": True, "pad_token_id": 0,
+                                                  **{k: v for k, v in kw.items()
+                                                     if k not in ("intermediate_size", "num_hidden_layers")}})
     elif kind == "mistral":
         config = transformers.MistralConfig(**{"sliding_window": None, "head_dim": 32, **kw})
     else:

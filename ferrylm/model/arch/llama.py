@@ -24,9 +24,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantMethod | None = None, tp: Any = None):
+                 quant: QuantMethod | None = None, tp: Any = None, layer_index: int = 0):
         super().__init__()
         self.tp = tp  # parallel.TPContext: o_proj is row-parallel, its partial sums all-reduced
+        self.use_rope = layer_index not in config.nope_layers
+        self.l2_norm_eps = config.rms_norm_eps if config.qk_l2_norm and self.use_rope else None
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -41,8 +43,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) D]
-        rotated = self.q_norm is None and self.rotary.rotate_packed_(batch.positions, qkv,
-                                                                     self.num_heads + self.num_kv_heads, self.head_dim)
+        rotated = not self.use_rope or (self.q_norm is None and self.rotary.rotate_packed_(
+            batch.positions, qkv, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -51,9 +53,17 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = self.rotary(batch.positions, q, k)
+        if self.l2_norm_eps is not None:  # Llama 4
+            q, k = _l2_norm(q, self.l2_norm_eps), _l2_norm(k, self.l2_norm_eps)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         out = self.o_proj(o.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.group.all_reduce(out)
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a weight, in float32 (Llama 4's q/k norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class LlamaMLP(nn.Module):
@@ -74,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
                  quant: QuantMethod | None = None, tp: Any = None, layer_index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.self_attn = LlamaAttention(config, rotary, backend, quant, tp)
+        self.self_attn = LlamaAttention(config, rotary, backend, quant, tp, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.mlp: nn.Module = SparseMoeBlock(config, quant, tp) if config.is_moe_layer(layer_index) else \
             LlamaMLP(config, quant, tp)

@@ -41,6 +41,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.tp = tp  # tensor parallel: each rank holds every expert's slice of columns; partial sums all-reduced
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.sigmoid_router = config.moe_router == "sigmoid"
+        self.shared_expert = Expert(config.hidden_size, config.shared_expert_intermediate_size, quant) \
+            if config.shared_expert_intermediate_size else None
         self.gate = Linear(config.hidden_size, config.num_experts, quant=UnquantizedMethod())  # the router
         # expert parallelism: the experts of other ranks are placeholders this rank never runs
         self.local = set(range(config.num_experts) if config.local_experts is None else config.local_experts)
@@ -48,21 +51,27 @@ class SparseMoeBlock(nn.Module):
                                      if e in self.local else nn.Identity() for e in range(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E], float32 like the reference
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        if self.sigmoid_router:  # Llama 4: top-k logits, their sigmoid scales the expert's input
+            logits, chosen = self.gate(x).topk(self.top_k, dim=-1)
+            weights = torch.sigmoid(logits.float()).to(x.dtype)
+        else:
+            probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E], float32 like the reference
+            weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights.to(x.dtype)
         flat = chosen.flatten()  # [T*k]: token t's i-th choice at t*k + i
         order = torch.argsort(flat, stable=True)
         tokens = order // self.top_k  # the token of each (token, choice) pair, grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         routed = weights.flatten()[order, None]
-        out = torch.zeros_like(x)
+        out = self.shared_expert(x) if self.shared_expert is not None else torch.zeros_like(x)
         start = 0  # the loop below also advances past other ranks' experts
         for e, (expert, count) in enumerate(zip(self.experts, counts)):
             if count and e in self.local:
-                rows = tokens[start:start + count]
-                out.index_add_(0, rows, expert(x.index_select(0, rows)) * routed[start:start + count])
+                rows, scale = tokens[start:start + count], routed[start:start + count]
+                y = expert(x.index_select(0, rows) * scale) if self.sigmoid_router else \
+                    expert(x.index_select(0, rows)) * scale
+                out.index_add_(0, rows, y)
             start += count
         return out if self.tp is None else self.tp.group.all_reduce(out)

@@ -22,6 +22,8 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",  # its text model; the vision tower is not loaded
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -43,6 +45,8 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
     if arch is None:
         supported = ", ".join(ARCHITECTURES)
         raise ModelLoadError(f"{directory / 'config.json'}: unsupported architecture {archs} (supported: {supported})")
+    if "text_config" in cfg:  # a multimodal checkpoint (Llama 4): serve its language model
+        cfg = {**cfg["text_config"], "quantization_config": cfg.get("quantization_config")}
     gen_path = directory / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else {}
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
@@ -63,7 +67,7 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
+        intermediate_size=cfg["intermediate_size_mlp"] if arch == "llama4" else cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -90,6 +94,15 @@ def _experts(cfg: dict, arch: str) -> dict:
     if arch == "mixtral":
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if arch == "llama4":  # interleaved dense/MoE layers, top-k sigmoid router scaling the input, a shared expert
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], moe_router="sigmoid",
+                    shared_expert_intermediate_size=cfg["intermediate_size"],
+                    moe_layers=tuple(cfg.get("moe_layers") or range(
+                        cfg.get("interleave_moe_layer_step", 1) - 1, cfg["num_hidden_layers"],
+                        cfg.get("interleave_moe_layer_step", 1))),
+                    nope_layers=tuple(i for i, rope in enumerate(cfg.get("no_rope_layers") or ()) if not rope),
+                    qk_l2_norm=bool(cfg.get("use_qk_norm", False)))
     if arch == "qwen3_moe":
         step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
         layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
@@ -105,6 +118,9 @@ def _full_attention_span(cfg: dict, arch: str) -> int:
     `use_sliding_window`). Every layer attends fully, which equals sliding-window attention on
     sequences no longer than the window, so outputs stay the reference's."""
     span = cfg.get("max_position_embeddings", 2048)
+    if arch == "llama4":  # chunked attention and NoPE temperature tuning both start past these
+        span = min(span, cfg.get("attention_chunk_size") or span,
+                   cfg.get("floor_scale", span + 1) - 1 if cfg.get("attn_temperature_tuning") else span)
     window = cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None
@@ -144,7 +160,11 @@ _MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def canonical_name(name: str) -> str:
-    """A checkpoint tensor's name as loading knows it (Mixtral's experts renamed; others as they are)."""
+    """A checkpoint tensor's name as loading knows it (Mixtral's experts and Llama 4's feed_forward
+    renamed; others as they are)."""
+    name = name.removeprefix("language_model.")
+    if ".feed_forward." in name:  # Llama 4
+        name = name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")
     m = _MIXTRAL_EXPERT.fullmatch(name)
     if not m:
         return name
@@ -157,7 +177,11 @@ def canonical_weights(weights: Iterator[tuple[str, Any]], config: ModelConfig) -
     know: a fused `qkv_proj` / `gate_up_proj` (Phi-3) split into q/k/v and gate/up, Mixtral's
     `block_sparse_moe.{gate, experts.E.w1/w2/w3}` as `mlp.{gate, experts.E.gate/down/up_proj}`."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    llama4 = config.architecture == "llama4"
     for name, tensor in weights:
+        if llama4:
+            yield from _llama4_weights(canonical_name(name), tensor, config)
+            continue
         if not isinstance(tensor, torch.Tensor) and name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
             raise ModelLoadError(f"{name}: a quantized fused projection is not supported")
         name = canonical_name(name)
@@ -169,3 +193,27 @@ def canonical_weights(weights: Iterator[tuple[str, Any]], config: ModelConfig) -
             yield from zip((base + "gate_proj.weight", base + "up_proj.weight"), tensor.chunk(2))
         else:
             yield name, tensor
+
+
+def _llama4_weights(name: str, tensor: Any, config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Llama 4's tensors as the loader knows them: the fused experts [E, H, 2I] / [E, I, H] as each
+    expert's gate/up/down [out, in]; q/k rows from Meta's interleaved RoPE pairs to rotate-half (the
+    same permutation for q and k keeps every dot product; the L2 q/k norm ignores the order)."""
+    from ferrylm.model.loaders.gguf_loader import unpermute_qk
+
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        base = name.removesuffix("gate_up_proj")
+        for e, w in enumerate(tensor):
+            gate, up = w.t().chunk(2)
+            yield f"{base}{e}.gate_proj.weight", gate.contiguous()
+            yield f"{base}{e}.up_proj.weight", up.contiguous()
+    elif name.endswith(".mlp.experts.down_proj"):
+        base = name.removesuffix("down_proj")
+        for e, w in enumerate(tensor):
+            yield f"{base}{e}.down_proj.weight", w.t().contiguous()
+    elif name.endswith(".self_attn.q_proj.weight"):
+        yield name, unpermute_qk(tensor, config.num_heads)
+    elif name.endswith(".self_attn.k_proj.weight"):
+        yield name, unpermute_qk(tensor, config.num_kv_heads)
+    else:
+        yield name, tensor
