@@ -41,7 +41,10 @@ lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, se
 	    ferrylm/request_limits.py ferrylm/outputs.py ferrylm/sampling_params.py
 
 test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider -m "not long"
+
+test-long: setup  # the heavy variants CI leaves out (docs/testing.md): real-model TP, perplexity sweeps, ...
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider -m long
 
 test-lm-eval: setup  # lm-evaluation-harness against `ferrylm serve` vs its hf backend (also part of `make test`)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_lm_eval.py

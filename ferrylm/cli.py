@@ -55,6 +55,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks holding a shard of every layer (torch.distributed; ranks 1.. are spawned here, or "
                         "joined from torchrun: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models under --tensor-parallel-size: place whole experts on the ranks "
+                        "instead of splitting every expert's columns")
 
 
 def _speculative_config(value: str):
@@ -112,9 +115,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="mixture-of-experts models under --tensor-parallel-size: place whole experts on the ranks "
-                        "instead of splitting every expert's columns")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", nargs="+", default=None,

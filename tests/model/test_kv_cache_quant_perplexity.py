@@ -49,7 +49,7 @@ def baseline(model, token_ids) -> float:
     return perplexity(model, token_ids, CHUNK)
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["fp8", pytest.param("int8", marks=pytest.mark.long)])
 def test_kv_cache_perplexity_within_one_percent(model, token_ids, baseline, cache_dtype):
     assert 20 < baseline < 40, baseline
     ppl = perplexity(model, token_ids, CHUNK, cache_dtype)

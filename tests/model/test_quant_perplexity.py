@@ -67,7 +67,8 @@ def baselines(checkpoint, token_ids) -> dict[int, float]:
     return {n: perplexity(model, token_ids[:n], 512) for n in (len(token_ids), SMALL_CHUNK_TOKENS)}
 
 
-@pytest.mark.parametrize(("quantization", "chunk"), [("gguf", 4), ("int8", 64), ("int4", 64)])
+@pytest.mark.parametrize(("quantization", "chunk"), [("gguf", 4), pytest.param("int8", 64, marks=pytest.mark.long),
+                                                    pytest.param("int4", 64, marks=pytest.mark.long)])
 def test_perplexity_within_one_percent(checkpoint, token_ids, baselines, quantization, chunk):
     ids = token_ids[:SMALL_CHUNK_TOKENS] if chunk < 16 else token_ids
     baseline = baselines[len(ids)]

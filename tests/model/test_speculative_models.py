@@ -63,6 +63,7 @@ def test_greedy_with_model_drafts_equals_plain_decoding(llm_fp32, smol_draft):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.long  # preemption with drafts: also test_random_add_step_abort_with_model_drafts (10-block pool)
 @requires_smollm2
 def test_model_drafts_under_preemption_keep_greedy_output(llm_fp32, smol_draft):
     prompts = chat_prompt_ids(llm_fp32, SIXTEEN_PROMPTS[:6])

@@ -56,6 +56,7 @@ def test_tp2_equals_tp1_on_tiny_models(tmp_path, kind, overrides, expert_paralle
     assert tp.engine.executor.ranks is None  # joined
 
 
+@pytest.mark.long  # TP equality: the tiny models above; TP serving: test_tensor_parallel_serve
 @requires_smollm2
 def test_tp2_equals_tp1_on_smollm2_float32_with_speculation():
     from tests.model.prompts import SIXTEEN_PROMPTS
