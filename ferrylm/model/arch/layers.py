@@ -53,6 +53,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+ROPE_TYPES = ("default", "linear", "llama3")  # the rope_scaling types RotaryEmbedding computes
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
 
@@ -64,8 +67,8 @@ class RotaryEmbedding(nn.Module):
         self.fused_ops = fused_ops
         self.rotary_dim = rotary_dim or head_dim
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", None):
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
+        if rope_type not in (*ROPE_TYPES, None):
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
         self.scaling, self.rope_type = scaling, rope_type
         self.register_buffer("cos", torch.empty(0), persistent=False)
@@ -107,6 +110,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up packed in one Linear. A dense layer's
+    MLP (arch/llama.py adds its TP all-reduce) and each expert of an MoE block (arch/moe.py)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantMethod | None = None):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, quant=quant)
+        self.down_proj = Linear(intermediate_size, hidden_size, quant=quant)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class SiluAndMul(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
-from ferrylm.model.arch.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from ferrylm.model.arch.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from ferrylm.model.arch.moe import SparseMoeBlock
 from ferrylm.model.attention.base import AttentionBackend
 from ferrylm.model.forward_batch import ForwardBatch
@@ -66,16 +66,13 @@ def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
     def __init__(self, config: ModelConfig, quant: QuantMethod | None = None, tp: Any = None):
-        super().__init__()
+        super().__init__(config.hidden_size, config.intermediate_size, quant)
         self.tp = tp  # down is row-parallel: partial sums all-reduced
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, quant=quant)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, quant=quant)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        out = super().forward(x)
         return out if self.tp is None else self.tp.group.all_reduce(out)
 
 

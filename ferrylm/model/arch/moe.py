@@ -18,19 +18,8 @@ import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
-from ferrylm.model.arch.layers import Linear, SiluAndMul
+from ferrylm.model.arch.layers import GatedMLP, Linear
 from ferrylm.model.quant.base import QuantMethod, UnquantizedMethod
-
-
-class Expert(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantMethod | None):
-        super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, quant=quant)
-        self.down_proj = Linear(intermediate_size, hidden_size, quant=quant)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
@@ -42,12 +31,12 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp  # tensor parallel: each rank holds every expert's slice of columns; partial sums all-reduced
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.sigmoid_router = config.moe_router == "sigmoid"
-        self.shared_expert = Expert(config.hidden_size, config.shared_expert_intermediate_size, quant) \
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, quant) \
             if config.shared_expert_intermediate_size else None
         self.gate = Linear(config.hidden_size, config.num_experts, quant=UnquantizedMethod())  # the router
         # expert parallelism: the experts of other ranks are placeholders this rank never runs
         self.local = set(range(config.num_experts) if config.local_experts is None else config.local_experts)
-        self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size, quant)
+        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.moe_intermediate_size, quant)
                                      if e in self.local else nn.Identity() for e in range(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -225,15 +225,13 @@ def _expert_tensors(gguf: "GGUFFile", t: TensorInfo, layer: str, proj: str) -> I
     """A stacked expert tensor [E, rows, cols] as E GGUFTensors (each expert's rows are contiguous
     bytes), named like a safetensors checkpoint's experts."""
     experts, rows, cols = reversed(t.shape)
-    kind = t.tensor_type
-    if kind not in GGMLType._value2member_map_:
-        raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: unsupported type {kind}")
-    block, size = BLOCK_SIZES[GGMLType(kind)]
-    if cols % block:
-        raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: row length {cols} is not a multiple of {block}")
-    data = as_bytes(gguf.data(t)).reshape(experts, rows, cols // block * size)
+    try:
+        data = _row_blocks(gguf, t, experts * rows, cols)
+    except ValueError as e:
+        raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: {e}") from None
     for e in range(experts):
-        yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", GGUFTensor(kind, data[e], (rows, cols))
+        yield (f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight",
+               GGUFTensor(t.tensor_type, data[e * rows:(e + 1) * rows], (rows, cols)))
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -260,21 +258,25 @@ class GGUFTensor:
         return GGUFTensor(self.ggml_type, data, self.shape)
 
 
+def _row_blocks(gguf: GGUFFile, t: TensorInfo, rows: int, cols: int) -> torch.Tensor:
+    """The tensor's blocks as uint8 [rows, bytes per row]; ValueError for a type or row length the
+    blocks cannot be cut by."""
+    kind, raw = t.tensor_type, gguf.data(t)
+    if kind not in GGMLType._value2member_map_:
+        dequantize(raw, kind, (rows, cols))  # raises the readable "unsupported type" error
+    block, size = BLOCK_SIZES[GGMLType(kind)]
+    if cols % block:
+        raise ValueError(f"{GGMLType(kind).name}: row length {cols} is not a multiple of {block}")
+    return as_bytes(raw).reshape(rows, cols // block * size)
+
+
 def _raw_tensor(gguf: GGUFFile, t: TensorInfo) -> GGUFTensor | torch.Tensor:
     """A file tensor as a GGUFTensor (2-D) or a float32 tensor (1-D: norms)."""
     shape = tuple(reversed(t.shape))
-    kind = t.tensor_type
-    raw = gguf.data(t)
     try:
         if len(shape) != 2:
-            return dequantize(raw, kind, shape)
-        if kind not in GGMLType._value2member_map_:
-            dequantize(raw, kind, shape)  # raises the readable "unsupported type" error
-        block, size = BLOCK_SIZES[GGMLType(kind)]
-        if shape[1] % block:
-            raise ValueError(f"{GGMLType(kind).name}: row length {shape[1]} is not a multiple of {block}")
-        data = as_bytes(raw).reshape(shape[0], shape[1] // block * size)
-        return GGUFTensor(kind, data, shape)
+            return dequantize(gguf.data(t), t.tensor_type, shape)
+        return GGUFTensor(t.tensor_type, _row_blocks(gguf, t, *shape), shape)
     except ValueError as e:
         raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: {e}") from None
 

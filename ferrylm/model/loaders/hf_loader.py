@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ferrylm.config import ModelConfig
+from ferrylm.model.arch.layers import ROPE_TYPES
 from ferrylm.model.loaders.int4_checkpoint import read_quantization_config
 from ferrylm.model.loaders.model_source import ModelLoadError
 
@@ -25,7 +26,6 @@ ARCHITECTURES = {
     "Llama4ForCausalLM": "llama4",
     "Llama4ForConditionalGeneration": "llama4",  # its text model; the vision tower is not loaded
 }
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def read_json(path: Path) -> dict:
@@ -122,7 +122,7 @@ def _full_attention_span(cfg: dict, arch: str) -> int:
         span = min(span, cfg.get("attention_chunk_size") or span,
                    cfg.get("floor_scale", span + 1) - 1 if cfg.get("attn_temperature_tuning") else span)
     window = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None
     return min(span, window) if isinstance(window, int) and window > 0 else span
 

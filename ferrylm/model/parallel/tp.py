@@ -79,16 +79,15 @@ def shard_plan(config: ModelConfig, rank: int, world: int, expert_parallel: bool
     if world > config.intermediate_size or world > config.vocab_size or \
             (config.num_experts and world > config.moe_intermediate_size):
         raise ConfigError(f"--tensor-parallel-size {world} is larger than the model's layers can be split")
-    if expert_parallel:
+    experts, expert_columns = None, _split(config.moe_intermediate_size, world, rank)
+    if expert_parallel:  # whole experts per rank: every column of the ones it holds
         if not config.num_experts:
             raise ConfigError("--enable-expert-parallel needs a mixture-of-experts model")
         if world > config.num_experts:
             raise ConfigError(f"--enable-expert-parallel: {world} ranks for {config.num_experts} experts")
-        return TPShard(rank, world, q_heads, kv_heads, _split(config.intermediate_size, world, rank),
-                       range(config.moe_intermediate_size), _split(config.vocab_size, world, rank),
-                       _split(config.num_experts, world, rank))
-    return TPShard(rank, world, q_heads, kv_heads, _split(config.intermediate_size, world, rank),
-                   _split(config.moe_intermediate_size, world, rank), _split(config.vocab_size, world, rank))
+        experts, expert_columns = _split(config.num_experts, world, rank), range(config.moe_intermediate_size)
+    return TPShard(rank, world, q_heads, kv_heads, _split(config.intermediate_size, world, rank), expert_columns,
+                   _split(config.vocab_size, world, rank), experts)
 
 
 def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:

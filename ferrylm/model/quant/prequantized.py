@@ -60,8 +60,7 @@ class PrequantizedInt4(StoredWeightMethod):
         perms = [getattr(t, "perm", None) for t in shards]
         if all(p is None for p in perms):
             weight = merge_rows([self._module(t) for t in shards], self.kernels, self.buffer)
-        elif all(p is not None and torch.equal(p, perms[0]) for p in perms) and \
-                all(not isinstance(t, torch.Tensor) for t in shards):  # q/k/v share their input's act order
+        elif all(p is not None and torch.equal(p, perms[0]) for p in perms):  # q/k/v share their input's act order
             weight = PermutedInputs(merge_rows([self._module(t) for t in shards], self.kernels, self.buffer), perms[0])
         else:
             parts = [self._module(t) if p is None else PermutedInputs(self._module(t), p)
