@@ -4,7 +4,7 @@ Tolerances: with fp32 activations the packed kernel multiplies the exact fp32 we
 agrees with the twin (fp32 F.linear on dequantize()) to 1e-5 of the output's magnitude (summation
 order only). With bf16 activations the outputs are bf16 (8 significant bits) and the AMX / GEMM paths
 round the unpacked weights to bf16 as the dequantized bf16 model does: 2e-2 of the magnitude. The
-decode path for bf16 activations (1..8 rows, vnni_gemv.cpp) also rounds x to int8 per 32-element block,
+int8 path for bf16 activations (up to packed.INT8_M rows, vnni_gemv.cpp) also rounds x to int8 per block of 32,
 as llama.cpp does; test_vnni_path_error_is_bounded_by_activation_rounding states its own bound.
 """
 
@@ -224,7 +224,7 @@ def test_vnni_path_error_is_bounded_by_activation_rounding(kind):
         if w.group % 64 and w.group != 32:
             continue
         dense = w.dequantize(torch.float32)
-        for m in (1, 2, 3, 4, 5, 6, 7, 8):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             got = KERNELS.quant_linear_vnni(x, w.codes, w.scales, w.mins, w.group, w.q4)
             assert got.dtype == torch.bfloat16 and got.shape == (m, 50)
@@ -243,7 +243,7 @@ def test_vnni_path_error_is_bounded_by_activation_rounding(kind):
             assert_close_to_twin(w, x)  # and PackedWeight.matmul takes it within the general tolerance
     if kind == "q8_channel":  # K = 96 per channel: a group that is neither 32 nor a multiple of 64
         w = _random_packed(kind, 50, 96, gen)
-        assert not w._vnni_ok(x)
+        assert w._int8_rows(x) == 0
         with pytest.raises(RuntimeError, match="group 96 unsupported"):
             KERNELS.quant_linear_vnni(x[:, :96].contiguous(), w.codes, w.scales, w.mins, w.group, w.q4)
 

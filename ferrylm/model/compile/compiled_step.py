@@ -45,7 +45,7 @@ MAX_GRAPHS = 6  # sizes a model splits into more ranges than this run eagerly
 # generated C++, not Python. At batch 1 the Python wrapper's ~600 calls were ~1.2 ms of a 14 ms step
 # (decode 75.6 -> 82 tok/s measured, bench/RESULTS.md); the cost is compile time (83 s instead of 39 s
 # for SmolLM2, once: cached). Larger batches spend 60+ ms a step in the kernels and keep Python's.
-CPP_WRAPPER_MAX_ROWS = 8  # packed.VNNI_M: the graph of 2..8 rows (decode rows verifying drafts, small batches)
+CPP_WRAPPER_MAX_ROWS = 8  # the graph of 2..8 rows (decode rows verifying drafts, small batches)
 
 
 def inductor_options(high: int) -> dict:

@@ -12,24 +12,27 @@ from torch import nn
 
 from ferrylm.model.quant.layout import dequantize_packed
 
-# Which path multiplies M activation rows (measured on SmolLM2 shapes with bench/quant_matmul.py, on
-# this project's 2-core AVX-512 / AMX CPU):
-#   M <= VNNI_M, bf16/fp16 activations (or fp32 under --dtype auto: kernels.fp32_int8_gemv), a variant with
-#       int8 dot products (AVX2 maddubs, AVX512-VNNI, NEON): x quantized to int8 per 32 elements
-#       (vnni_gemv.cpp, llama.cpp's arithmetic); an explicit float32 model takes the exact path below,
-#       so it stays exact against its dequantized twin. Up to 8 rows (its limit: a decode step verifying
-#       a draft of up to 7 tokens), W unpacked once for all of them; it beat the packed kernel at every
-#       M = 1..8 on the 2-core AMD EPYC (Zen 4), AVX2 and AVX512-VNNI builds alike (bench/packed_paths.py,
-#       bf16, ms per 30 layers + LM head, int8 vs packed kernel, avx2 | avx512_bf16: M=1 4.0 vs 6.6 |
-#       4.1 vs 6.6, M=2 5.2 vs 9.8 | 5.1 vs 7.3, M=5 9.7 vs 14.6 | 8.5 vs 12.1, M=8 13.8 vs 22.0 |
-#       12.3 vs 18.1; per call, bench/quant_variants.py --rows, 1.3-2.2x on every SmolLM2 shape);
+# Which path multiplies M activation rows (measured on SmolLM2 shapes, 30 layers + the LM head, 2
+# threads, on this project's 2-core AMD EPYC (Zen 4): bench/packed_paths.py):
+#   int8 activations (vnni_gemv.cpp, llama.cpp's arithmetic: x quantized to int8 per 32 elements, integer
+#       dot products with AVX2 maddubs, AVX512-VNNI or NEON; each weight tile unpacked once per 8 rows and
+#       kept in L1 for all of them), for bf16/fp16 activations up to INT8_M rows (INT8_M_AMX with AMX
+#       tiles), and for fp32 ones under the int8 policy (--dtype auto on a CPU without BF16:
+#       kernels.fp32_int8_gemv) up to INT8_FP32_M rows. An explicit float32 model takes the exact paths
+#       below, so it stays exact against its dequantized twin. Measured, ms (int8 vs the path it
+#       replaced): bf16 M=8 17.2 vs 16.9, M=16 31.2 vs 46.9 (panels), M=32 60.0 vs 59.2, M=64 119.7 vs
+#       88.7: torch's native-BF16 GEMM wins from 32 rows; fp32 forced to AVX2 M=8 20.7 vs 31.3 (packed
+#       kernel), M=32 83.9 vs 127.0, M=64 178.6 vs 377.5 (fp32 panels: 4 bytes written and read per
+#       weight), M=128 360.5 vs 489.7, M=256 656 vs 693, M=512 1433 vs 1339;
 #   M <= SMALL_M otherwise, or M <= FP32_KERNEL_M with fp32 activations: the packed kernel (exact
 #       fp32 weights, FMAs; it reads W once per 8 rows: with fp32 activations it beats unpacking
 #       fp32 panels for GEMM up to 32 rows, with bf16 ones AMX up to 6 rows, bench/packed_paths.py);
 #   M <= AMX_M, bf16 activations, AMX present: 32 rows of W at a time unpacked to bf16 in cache and
 #       multiplied on AMX tiles (faster than torch's bf16 GEMM there, and no bf16 weight in memory);
 #   otherwise: panels of W unpacked to the activation dtype into a reused buffer, torch's GEMM.
-VNNI_M = 8
+INT8_M = 16
+INT8_M_AMX = 8  # int8 vs AMX tiles between 8 and 64 rows: not measured (no AMX machine since); AMX kept
+INT8_FP32_M = 128
 SMALL_M = 6
 FP32_KERNEL_M = 32
 AMX_M = 64
@@ -79,16 +82,21 @@ class PackedWeight(nn.Module):
     def _kernel_ok(self, x: torch.Tensor) -> bool:
         return self.kernels is not None and x.is_cpu and self.in_features % 32 == 0
 
-    def _vnni_ok(self, x: torch.Tensor) -> bool:
-        return ((x.dtype != torch.float32 or self.kernels.fp32_int8_gemv) and self.kernels.has_vnni
-                and (self.group == 32 or self.group % 64 == 0 or (self.group == 16 and not self.q4)))
+    def _int8_rows(self, x: torch.Tensor) -> int:
+        """Up to how many rows of x take int8 activations (0: none)."""
+        k = self.kernels
+        if not k.has_vnni or not (self.group == 32 or self.group % 64 == 0 or (self.group == 16 and not self.q4)):
+            return 0
+        if x.dtype == torch.float32:
+            return INT8_FP32_M if k.fp32_int8_gemv else 0
+        return INT8_M_AMX if k.has_amx else INT8_M
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] → [M, out] in x's dtype."""
         if not self._kernel_ok(x):
             return F.linear(x, self.dequantize(x.dtype))
         m = x.shape[0]
-        if m <= VNNI_M and self._vnni_ok(x):
+        if m <= self._int8_rows(x):
             return self.kernels.quant_linear_vnni(x, self.codes, self.scales, self.mins, self.group, self.q4)
         if m <= SMALL_M or (m <= FP32_KERNEL_M and x.dtype == torch.float32):
             return self.kernels.quant_linear(x, self.codes, self.scales, self.mins, self.group, self.q4)

@@ -14,9 +14,8 @@
 // differ only in fp32 summation order.
 //
 // Supported: q4 and q8 codes with groups of 16 (q8: Q6_K), 32 or a multiple of 64 elements (Q4_0,
-// Q4_1, Q4_K, Q5_K, Q8_0, int4-g32..g256, int8 per channel when K is a multiple of 64); 1..8 activation
-// rows (a decode step, or the verify step of a speculative draft), each weight code loaded and unpacked
-// once for all of them.
+// Q4_1, Q4_K, Q5_K, Q8_0, int4-g32..g256, int8 per channel when K is a multiple of 64); any number of
+// activation rows, 8 at a time per weight tile (packed.py decides up to how many rows this path wins).
 // On ARM (the neon variant) the op runs neon_gemv.h, the same arithmetic with SDOT or SMULL + SADALP
 // (any q4 group that is a multiple of 32; q8 groups of 16 too).
 #include <ATen/Parallel.h>
@@ -29,8 +28,9 @@
 
 namespace ferry_quant {
 
-// Activation rows per call (decode, and the verify step of a speculative draft of up to 7 tokens): the
-// weight codes are read and unpacked once for all rows. More rows go to the exact kernels (packed.py).
+// Activation rows per tile (a decode step of a few sequences, or the verify step of a speculative draft
+// of up to 7 tokens): each weight code is loaded and unpacked once for all of them. A call with more rows
+// runs them in chunks of this many against the same weight tile.
 constexpr int64_t MAX_ROWS = 8;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -136,6 +136,24 @@ QuantizedActs quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, boo
   return a;
 }
 
+// Up to MAX_ROWS consecutive rows of a QuantizedActs (rows m0..m0+M-1): what one tile multiplies.
+struct Acts {
+  int64_t M, K, blocks, pairs, groups;
+  const int8_t* xq;
+  const float* dx;
+  const float* gsum;
+};
+
+Acts rows_of(const QuantizedActs& q, int64_t m0, int64_t M) {
+#ifdef FERRY_VNNI
+  const int64_t dx_row = q.pairs * 16;
+#else
+  const int64_t dx_row = q.pairs * 2;
+#endif
+  return {M, q.K, q.blocks, q.pairs, q.groups, q.xq.data() + m0 * q.pairs * 64, q.dx.data() + m0 * dx_row,
+          q.gsum.data() + m0 * q.groups};
+}
+
 #ifdef FERRY_VNNI
 // The 64 weight codes of pair p of row n, as unsigned bytes (q4) or signed (q8) in the order above.
 // A pair past the row's last block (odd block count) reads only the first half.
@@ -170,7 +188,7 @@ inline __m512i lane_blocks(bool q4) {
 // stack, and every FMA waited on a store-to-load round trip: 4x slower); PER_LANE (G <= 32) too, so
 // the loop has no branch on it.
 template <bool Q4, bool PER_LANE, int NB, int MB>
-void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB, 16] */) {
+void tile(const Packed& w, const Acts& a, int64_t n0, float* out /* [MB, 16] */) {
   // Each lane's weight scale, one vector per output row and pair, shared by the activation rows: groups of
   // 32 (or 16, q8 only: lane l of pair p is in group 4 p + l / 4; PER_LANE) pick theirs from 16 staged
   // groups; a larger group (64 k elements: k whole pairs) has one for all lanes. (Summing a large group's
@@ -211,8 +229,8 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
       wv[j] = Q4 ? load_pair_q4(rows[j], p, tail) : load_pair_q8(rows[j], p, tail);
     }
     for (int m = 0; m < MB; ++m) {
-      const __m512i xq = _mm512_loadu_si512(a.xq.data() + (m * a.pairs + p) * 64);
-      const __m512 dx = _mm512_loadu_ps(a.dx.data() + (m * a.pairs + p) * 16);
+      const __m512i xq = _mm512_loadu_si512(a.xq + (m * a.pairs + p) * 64);
+      const __m512 dx = _mm512_loadu_ps(a.dx + (m * a.pairs + p) * 16);
       for (int j = 0; j < NB; ++j) {
         const __m512i dp = Q4 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xq)
                               : dot_q8(_mm512_setzero_si512(), wv[j], xq);
@@ -229,7 +247,7 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
             ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const at::Half*>(w.mins) + off))
             : _mm512_maskz_loadu_ps(k, static_cast<const float*>(w.mins) + off);
         for (int m = 0; m < MB; ++m)
-          acc[j][m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.gsum.data() + m * a.groups + g0), acc[j][m]);
+          acc[j][m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.gsum + m * a.groups + g0), acc[j][m]);
       }
     }
   for (int j = 0; j < NB; ++j)
@@ -240,7 +258,7 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
 // time (each weight pair is still loaded and unpacked once for all rows). With 16 (of 32 registers) GCC
 // kept some on the stack, and 8 rows ran 1.3x slower.
 template <bool Q4, bool PER_LANE, int NB, int MB>
-void tile_fit(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+void tile_fit(const Packed& w, const Acts& a, int64_t n0, float* out) {
   if constexpr (NB * MB > 8) {
     tile_fit<Q4, PER_LANE, NB / 2, MB>(w, a, n0, out);
     tile_fit<Q4, PER_LANE, NB / 2, MB>(w, a, n0 + NB / 2, out + NB / 2);
@@ -250,7 +268,7 @@ void tile_fit(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
 }
 
 template <bool Q4, bool PER_LANE, int NB>
-void tile_m(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+void tile_m(const Packed& w, const Acts& a, int64_t n0, float* out) {
   switch (a.M) {
     case 1: tile_fit<Q4, PER_LANE, NB, 1>(w, a, n0, out); break;
     case 2: tile_fit<Q4, PER_LANE, NB, 2>(w, a, n0, out); break;
@@ -264,7 +282,7 @@ void tile_m(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
 }
 
 template <bool Q4, int NB>
-void tile_rows(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+void tile_rows(const Packed& w, const Acts& a, int64_t n0, float* out) {
   if (w.G <= 32) tile_m<Q4, true, NB>(w, a, n0, out);
   else tile_m<Q4, false, NB>(w, a, n0, out);
 }
@@ -324,7 +342,7 @@ constexpr int64_t CHUNK = 128;  // units whose scale products are made at a time
 // d[j][m][u - u0] = the weight scale of unit u of row n0 + j times x's block scale of activation row m,
 // for u in [u0, u1); a unit is a block, or half of one with 16-element groups (UPB = 2 units per block).
 template <int NB, int MB, int UPB>
-void unit_products(const Packed& w, const QuantizedActs& a, int64_t n0, int64_t u0, int64_t u1,
+void unit_products(const Packed& w, const Acts& a, int64_t n0, int64_t u0, int64_t u1,
                    float (*d)[MB][CHUNK]) {
   const int64_t real = a.blocks * UPB, upg = UPB == 2 ? 1 : w.G / 32;
   const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
@@ -334,7 +352,7 @@ void unit_products(const Packed& w, const QuantizedActs& a, int64_t n0, int64_t 
     // the missing block of an odd pair: its codes are zero, but stack garbage times zero may be NaN
     for (int64_t u = std::max(u0, real); u < u1; ++u) ws[u - u0] = 0.f;
     for (int m = 0; m < MB; ++m) {  // 8 at a time; dx has 8 floats of padding past its end
-      const float* dx = a.dx.data() + m * a.pairs * 2 + u0 / UPB;
+      const float* dx = a.dx + m * a.pairs * 2 + u0 / UPB;
       for (int64_t u = 0; u < u1 - u0; u += 8) {
         const __m256 dxv = UPB == 1 ? _mm256_loadu_ps(dx + u)
                                     : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(dx + u / 2)), dup);
@@ -347,7 +365,7 @@ void unit_products(const Packed& w, const QuantizedActs& a, int64_t n0, int64_t 
 // Output rows n0..n0+NB-1 for activation rows 0..MB-1 (llama.cpp's ggml_vec_dot_q4_1_q8_1 / q8_0_q8_0
 // arithmetic): each step's int32 lanes, as fp32, times their unit's scale product, one FMA per step.
 template <bool Q4, bool G16, int NB, int MB>
-void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB, 16] */) {
+void tile(const Packed& w, const Acts& a, int64_t n0, float* out /* [MB, 16] */) {
   constexpr int64_t UPS = (Q4 || G16) ? 2 : 1;  // units per step
   const int64_t units = (Q4 ? a.pairs : a.blocks) * UPS;
   const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -368,7 +386,7 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
         for (int m = 0; m < MB; ++m) {
           const __m256 sv = UPS == 1 ? _mm256_broadcast_ss(&d[j][m][c])
                                      : _mm256_permutevar8x32_ps(_mm256_load_ps(&d[j][m][c & ~7]), idx);
-          const __m256i dp = dot_step<Q4>(st, a.xq.data() + m * a.pairs * 64 + (Q4 ? 64 : 32) * s);
+          const __m256i dp = dot_step<Q4>(st, a.xq + m * a.pairs * 64 + (Q4 ? 64 : 32) * s);
           acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sv, acc[j][m]);
         }
       }
@@ -381,7 +399,7 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
         const __m256 mv = load8(static_cast<const char*>(w.mins) + ((n0 + j) * w.groups + g0) * (w.f16 ? 2 : 4),
                                 w.f16, c);
         for (int m = 0; m < MB; ++m)
-          acc[j][m] = _mm256_fmadd_ps(mv, load8(a.gsum.data() + m * a.groups + g0, false, c), acc[j][m]);
+          acc[j][m] = _mm256_fmadd_ps(mv, load8(a.gsum + m * a.groups + g0, false, c), acc[j][m]);
       }
     }
   for (int j = 0; j < NB; ++j)
@@ -391,7 +409,7 @@ void tile(const Packed& w, const QuantizedActs& a, int64_t n0, float* out /* [MB
 // At most 8 accumulators (AVX2 has 16 registers): 3 or 4 activation rows take output rows 2 at a time,
 // 5..8 one at a time (each weight step is still loaded and unpacked once for all rows).
 template <bool Q4, bool G16, int NB, int MB>
-void tile_fit(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+void tile_fit(const Packed& w, const Acts& a, int64_t n0, float* out) {
   if constexpr (NB * MB > 8) {
     tile_fit<Q4, G16, NB / 2, MB>(w, a, n0, out);
     tile_fit<Q4, G16, NB / 2, MB>(w, a, n0 + NB / 2, out + NB / 2);
@@ -401,7 +419,7 @@ void tile_fit(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
 }
 
 template <bool Q4, bool G16, int NB>
-void tile_m(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+void tile_m(const Packed& w, const Acts& a, int64_t n0, float* out) {
   switch (a.M) {
     case 1: tile_fit<Q4, G16, NB, 1>(w, a, n0, out); break;
     case 2: tile_fit<Q4, G16, NB, 2>(w, a, n0, out); break;
@@ -415,7 +433,7 @@ void tile_m(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
 }
 
 template <bool Q4, int NB>
-void tile_rows(const Packed& w, const QuantizedActs& a, int64_t n0, float* out) {
+void tile_rows(const Packed& w, const Acts& a, int64_t n0, float* out) {
   if (!Q4 && w.G == 16) tile_m<false, true, NB>(w, a, n0, out);  // q4 has no 16-element groups
   else tile_m<Q4, false, NB>(w, a, n0, out);
 }
@@ -444,7 +462,6 @@ using namespace ferry_quant;
 // time: more are run in chunks of that many.
 static torch::Tensor linear_neon(const torch::Tensor& x, const Packed& w, int64_t group_size, bool q4) {
   const int64_t M = x.size(0), K = x.size(1), N = w.rows;
-  TORCH_CHECK(M <= MAX_ROWS, "quant_linear_vnni: at most ", MAX_ROWS, " activation rows, got ", M);
   TORCH_CHECK(ferry_neon::gemv_supports(q4, K, group_size), "quant_linear_vnni: group ", group_size, " unsupported");
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
@@ -471,15 +488,15 @@ static torch::Tensor linear_neon(const torch::Tensor& x, const Packed& w, int64_
 }
 #endif
 
-// y[M, N] = x[M, K] @ W^T with x quantized to int8 per 32-element block; M <= MAX_ROWS (8), W packed
-// with groups of 16 (q8), 32 or a multiple of 64. y has x's dtype.
+// y[M, N] = x[M, K] @ W^T with x quantized to int8 per 32-element block, W packed with groups of 16 (q8),
+// 32 or a multiple of 64; any M: a thread takes 16 weight rows at a time and multiplies them with every
+// chunk of MAX_ROWS activation rows while they sit in L1. y has x's dtype.
 torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                 const c10::optional<torch::Tensor>& mins, int64_t group_size, bool q4) {
   TORCH_CHECK(x.dim() == 2, "x: [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   check(codes, scales, mins, K, group_size, q4);
 #ifdef FERRY_INT8
-  TORCH_CHECK(M <= MAX_ROWS, "quant_linear_vnni: at most ", MAX_ROWS, " activation rows, got ", M);
   TORCH_CHECK(group_size == 16 || group_size == 32 || group_size % 64 == 0, "quant_linear_vnni: group ",
               group_size, " unsupported");
   if (M == 0) return torch::empty({0, N}, x.options());  // no rows (a step that samples none): the tiles read row 0
@@ -500,17 +517,21 @@ torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& cod
       alignas(64) float buf[MAX_ROWS * 16];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t lo = t * TILE, hi = std::min(N, lo + TILE);
-        int64_t n = lo;
-        for (; n + 4 <= hi; n += 4) {
-          if (q4) tile_rows<true, 4>(w, a, n, buf + (n - lo) % 16);
-          else tile_rows<false, 4>(w, a, n, buf + (n - lo) % 16);
+        // every chunk of up to MAX_ROWS activation rows against this tile's weight rows (still in L1)
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+          const Acts rows = rows_of(a, m0, std::min(MAX_ROWS, M - m0));
+          int64_t n = lo;
+          for (; n + 4 <= hi; n += 4) {
+            if (q4) tile_rows<true, 4>(w, rows, n, buf + (n - lo) % 16);
+            else tile_rows<false, 4>(w, rows, n, buf + (n - lo) % 16);
+          }
+          for (; n < hi; ++n) {
+            if (q4) tile_rows<true, 1>(w, rows, n, buf + (n - lo) % 16);
+            else tile_rows<false, 1>(w, rows, n, buf + (n - lo) % 16);
+          }
+          for (int64_t m = 0; m < rows.M; ++m)
+            for (int64_t r = lo; r < hi; ++r) op[(m0 + m) * N + r] = static_cast<scalar_t>(buf[m * 16 + (r - lo)]);
         }
-        for (; n < hi; ++n) {
-          if (q4) tile_rows<true, 1>(w, a, n, buf + (n - lo) % 16);
-          else tile_rows<false, 1>(w, a, n, buf + (n - lo) % 16);
-        }
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t r = lo; r < hi; ++r) op[m * N + r] = static_cast<scalar_t>(buf[m * 16 + (r - lo)]);
       }
     });
   });
