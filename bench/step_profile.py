@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -36,6 +35,9 @@ GROUPS = [  # (group, substrings of the op name); first match wins
     ("attention", ("paged_decode_attention", "attention", "sdpa")),
     ("fused norm / RoPE / KV write", ("rms_norm", "rope_qkv", "write_kv", "reshape_and_cache")),
 ]
+
+
+SHOWN_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile"}
 
 
 def group_of(name: str) -> str:
@@ -88,7 +90,7 @@ def main() -> None:
     cpu = this_cpu()
     print(f"CPU: {cpu.model}, {os.cpu_count()} CPUs; "
           f"kernels {select_variant().name} (FERRYLM_CPU_ISA={os.environ.get('FERRYLM_CPU_ISA', 'auto')}); "
-          f"flags {' '.join(sorted(cpu.flags & {'avx2', 'fma', 'f16c', 'avx512f', 'avx512_bf16', 'avx512_vnni', 'amx_tile'}))}")
+          f"flags {' '.join(sorted(cpu.flags & SHOWN_FLAGS))}")
     for rows in (int(r) for r in args.rows.split(",")):
         r = profile_rows(rows, args.tokens)
         print(f"\n{rows} sequences, {r['dtype']} activations: ms per step (eager step profiled op by op; "
@@ -99,7 +101,8 @@ def main() -> None:
             print(f"| {name} | {ms:.2f} | {ms / total:.0%} |")
         rest = total - sum(r["groups"].values())
         print(f"| Python (scheduler, batch building, sampling glue) | {rest:.2f} | {rest / total:.0%} |")
-        print(f"| **eager step** | **{total:.2f}** | |\n| **compiled step (the default)** | **{r['compiled']:.2f}** | |")
+        print(f"| **eager step** | **{total:.2f}** | |")
+        print(f"| **compiled step (the default)** | **{r['compiled']:.2f}** | |")
 
 
 if __name__ == "__main__":

@@ -217,3 +217,25 @@ def test_int8_paths_of_avx2_and_avx512_agree():
             if group in (16, 32) or group % 64 == 0:
                 a, b = avx2.quant_linear_vnni(x, *w.args()), avx512.quant_linear_vnni(x, *w.args())
                 assert_fp32_close(a, b, f"int8 g{group} M={m}", rel=2e-6)
+
+
+def test_256_and_512_bit_int8_tiles_agree(monkeypatch):
+    """The AVX-512 build holds both int8 tile families (512-bit VNNI; 256-bit, taken on CPUs that split
+    512-bit ops, such as AMD's Zen 4): FERRYLM_INT8_TILES forces each, and they differ only in fp32
+    summation order, on every layout and row count (one chunk of 8 rows, several, a partial one)."""
+    if not this_cpu().supports(BY_NAME["avx512_bf16"]):
+        pytest.skip(f"this CPU lacks {', '.join(_missing('avx512_bf16'))}")
+    kernels = load_quant_kernels("avx512_bf16")
+    gen = torch.Generator().manual_seed(5)
+    for q4, group, k, mins, f16 in FORMATS:
+        if group not in (16, 32) and group % 64:
+            continue
+        w = Weight(q4, group, 45, k, mins, f16, seed=group + k + 7)
+        for m in (1, 3, 8, 13):
+            x = torch.randn(m, k, generator=gen)
+            got = {}
+            for width in ("256", "512"):
+                monkeypatch.setenv("FERRYLM_INT8_TILES", width)
+                got[width] = kernels.quant_linear_vnni(x, *w.args())
+            assert_fp32_close(got["256"], got["512"], f"g{group} M={m}", rel=2e-6)
+            assert_fp32_close(got["256"], F.linear(int8_rounded(x), w.dense), f"g{group} M={m} vs rounded x")
