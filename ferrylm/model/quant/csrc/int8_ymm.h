@@ -81,15 +81,20 @@ void unit_products(const Packed& w, const Acts& a, int64_t n0, int64_t u0, int64
   }
 }
 
-// The weight scales of blocks b and b + 1 of row n in lanes 0 and 1 (`one`: only block b exists; lane 1 is 0).
-inline __m128 block_scales(const Packed& w, int64_t n, int64_t b, bool one) {
-  const int64_t at = n * w.groups + b;
-  if (w.f16) {
-    const uint16_t* h = static_cast<const uint16_t*>(w.scales) + at;
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(one ? h[0] : static_cast<int>(h[0] | (uint32_t{h[1]} << 16))));
+// The weight scales of blocks b and b + 1 of a row (scales of the row at `row`) in lanes 0 and 1 (ONE:
+// only block b exists; lane 1 is 0).
+template <bool F16, bool ONE>
+inline __m128 block_scales(const void* row, int64_t b) {
+  if constexpr (F16) {
+    const uint16_t* h = static_cast<const uint16_t*>(row) + b;
+    uint32_t bits = h[0];
+    if constexpr (!ONE) bits |= uint32_t{h[1]} << 16;
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+  } else {
+    const float* f = static_cast<const float*>(row) + b;
+    if constexpr (ONE) return _mm_load_ss(f);
+    return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
   }
-  const float* f = static_cast<const float*>(w.scales) + at;
-  return one ? _mm_load_ss(f) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
 }
 
 // The min term of rows n0..n0+NB-1 (sum over groups of min * sum of the rounded x), 8 groups per FMA.
@@ -107,31 +112,43 @@ inline void add_min_term(const Packed& w, const Acts& a, int64_t n0, __m256 (&ac
 
 // Groups of 32 (Q4_0, Q4_1, Q8_0, int4-g32: the default model's formats): the scale products are made in
 // the step itself, from the step's two (q4) or one (q8) weight scales and x's, with no table: at one
-// activation row the table (unit_products) took a third of the time (perf, SmolLM2 shapes).
-template <bool Q4, int NB, int MB>
-void tile_g32(const Packed& w, const Acts& a, int64_t n0, float* out /* [MB, 16] */) {
-  const int64_t steps = Q4 ? a.pairs : a.blocks;
+// activation row the table (unit_products) took a third of the time (perf, SmolLM2 shapes). The scale
+// format (F16) and the last pair of an odd block count (TAIL) are template arguments: branches on them
+// in the step, and the row pointers recomputed there, cost a fifth of a 1-row call (perf annotate).
+template <bool Q4, bool F16, bool TAIL, int NB, int MB>
+inline void step_g32(const uint8_t* const (&codes)[NB], const char* const (&scales)[NB], const Acts& a, int64_t s,
+                     __m256 (&acc)[NB][MB]) {
   const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  for (int j = 0; j < NB; ++j) {
+    const uint8_t* p = codes[j] + 32 * s;
+    if (s % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
+    const Step st = load_step<Q4>(p, TAIL);
+    const __m128 ws = block_scales<F16, !Q4 || TAIL>(scales[j], Q4 ? 2 * s : s);
+    for (int m = 0; m < MB; ++m) {
+      const float* dx = a.dx + m * a.pairs * 2 + (Q4 ? 2 * s : s);  // x's scales of the step's blocks
+      const __m256 sv = Q4 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(
+                                 ws, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx))))), halves)
+                           : _mm256_set1_ps(_mm_cvtss_f32(ws) * dx[0]);
+      const __m256i dp = dot_step<Q4>(st, a.xq + m * a.pairs * 64 + (Q4 ? 64 : 32) * s);
+      acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sv, acc[j][m]);
+    }
+  }
+}
+
+template <bool Q4, bool F16, int NB, int MB>
+void tile_g32(const Packed& w, const Acts& a, int64_t n0, float* out /* [MB, 16] */) {
+  const int64_t full = Q4 ? a.blocks / 2 : a.blocks;  // steps with every block present
+  const uint8_t* codes[NB];
+  const char* scales[NB];
+  for (int j = 0; j < NB; ++j) {
+    codes[j] = w.codes + (n0 + j) * w.row_bytes;
+    scales[j] = static_cast<const char*>(w.scales) + (n0 + j) * w.groups * (F16 ? 2 : 4);
+  }
   __m256 acc[NB][MB];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < steps; ++s) {
-    const bool tail = Q4 && 2 * s + 1 >= a.blocks;
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* p = w.codes + (n0 + j) * w.row_bytes + 32 * s;
-      if (s % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
-      const Step st = load_step<Q4>(p, tail);
-      const __m128 ws = block_scales(w, n0 + j, Q4 ? 2 * s : s, !Q4 || tail);
-      for (int m = 0; m < MB; ++m) {
-        const float* dx = a.dx + m * a.pairs * 2 + (Q4 ? 2 * s : s);  // x's scales of the step's blocks
-        const __m256 sv = Q4 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(
-                                   ws, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx))))), halves)
-                             : _mm256_set1_ps(_mm_cvtss_f32(ws) * dx[0]);
-        const __m256i dp = dot_step<Q4>(st, a.xq + m * a.pairs * 64 + (Q4 ? 64 : 32) * s);
-        acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sv, acc[j][m]);
-      }
-    }
-  }
+  for (int64_t s = 0; s < full; ++s) step_g32<Q4, F16, false, NB, MB>(codes, scales, a, s, acc);
+  if (Q4 && a.blocks % 2) step_g32<Q4, F16, true, NB, MB>(codes, scales, a, full, acc);
   if (w.mins) add_min_term<NB, MB>(w, a, n0, acc);
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m) out[m * 16 + j] = hsum(acc[j][m]);
@@ -142,7 +159,7 @@ void tile_g32(const Packed& w, const Acts& a, int64_t n0, float* out /* [MB, 16]
 template <bool Q4, bool G16, int NB, int MB>
 void tile(const Packed& w, const Acts& a, int64_t n0, float* out /* [MB, 16] */) {
   if constexpr (!G16) {
-    if (w.G == 32) return tile_g32<Q4, NB, MB>(w, a, n0, out);
+    if (w.G == 32) return w.f16 ? tile_g32<Q4, true, NB, MB>(w, a, n0, out) : tile_g32<Q4, false, NB, MB>(w, a, n0, out);
   }
   constexpr int64_t UPS = (Q4 || G16) ? 2 : 1;  // units per step
   const int64_t units = (Q4 ? a.pairs : a.blocks) * UPS;
