@@ -153,7 +153,8 @@ class SpeculativeConfig:
     target's vocabulary drafts autoregressively with its own paged KV cache. layer_skip: the target's
     first `num_layers` layers plus its norm and LM head draft (no second set of weights).
     disable_by_batch_size: no drafts in a step with more running sequences than this (verification
-    then costs more than it saves; bench/speculative.py measures it).
+    then costs more than it saves; bench/speculative.py measures it). None: the machine's default
+    (spec_step.max_spec_batch: 8 with AMX or a GPU, 1 on other CPUs).
     """
 
     method: str

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ferrylm.config import SpeculativeConfig
 from ferrylm.model.spec.speculative import NgramProposer, rejection_sample, verify_greedy
 
 DRAWS, V, K = 60_000, 8, 2
@@ -89,3 +90,15 @@ def test_ngram_proposer() -> None:
     assert NgramProposer(2, 2, 2).propose([1, 2, 5, 1, 2]) == [5, 1]
     with pytest.raises(ValueError):
         NgramProposer(0)
+
+
+def test_the_default_batch_limit_for_drafts_follows_the_machine():
+    """disable_by_batch_size unset: 8 where verifying many rows is cheap (AMX, GPUs), 1 on a CPU without
+    AMX (compute-bound int8 kernels: drafting lost from 2 concurrent sequences on); set, it wins."""
+    from ferrylm.model.cpu.cpu_isa import this_cpu
+    from ferrylm.model.spec.spec_step import max_spec_batch
+
+    unset = SpeculativeConfig("ngram", 4)
+    assert max_spec_batch(unset, torch.device("cpu")) == (8 if "amx_tile" in this_cpu().flags else 1)
+    assert max_spec_batch(unset, torch.device("cuda")) == 8
+    assert max_spec_batch(SpeculativeConfig("ngram", 4, disable_by_batch_size=3), torch.device("cpu")) == 3

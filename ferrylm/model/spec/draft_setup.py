@@ -35,7 +35,7 @@ def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, target_con
     if spec.method == "ngram":
         return None
     check_against_target(spec, target_config)
-    k, max_batch = spec.num_speculative_tokens, max_spec_batch(spec)
+    k, max_batch = spec.num_speculative_tokens, max_spec_batch(spec, device)
     if spec.method == "layer_skip":
         return ModelProposer(target, spec.num_layers or 0, k, num_blocks, block_size, max_batch, max_model_len,
                              eos_token_ids, dtype, device)

@@ -13,6 +13,7 @@ import torch
 
 from ferrylm.config import SpeculativeConfig
 from ferrylm.executor import TokenLogprobs
+from ferrylm.model.cpu.cpu_isa import this_cpu
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.sampler import (
     SamplingBatch,
@@ -31,7 +32,12 @@ log = logging.getLogger("ferrylm.runner")
 
 # Steps with more sampled sequences than this propose no drafts (--speculative-config
 # disable_by_batch_size overrides): past it, verifying costs more than it saves (bench/speculative.py).
+# It depends on the machine: with AMX (and on GPUs) drafts paid up to 8 concurrent sequences (1.15-1.26x);
+# on a CPU without AMX the int8 decode kernels are compute-bound, verifying k + 1 rows costs nearly k + 1
+# single rows, and drafting lost from 2 concurrent sequences on (AMD EPYC Zen 4: 0.83x at 2, 0.71x at 8)
+# while one stream still gained 1.68x.
 DEFAULT_SPEC_MAX_BATCH = 8
+DEFAULT_SPEC_MAX_BATCH_CPU_WITHOUT_AMX = 1
 
 
 class Verification(NamedTuple):
@@ -76,7 +82,7 @@ class Speculator:
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
         self.model_proposer = model_proposer
-        self.max_batch = max_spec_batch(config)
+        self.max_batch = max_spec_batch(config, device)
         self.vocab_size, self.eos_token_ids, self.device = vocab_size, eos_token_ids, device
         self.backoff: dict[str, DraftBackoff] = {}
         self.pending: dict[str, Draft] = {}  # each request's last draft with its q, until verified
@@ -192,9 +198,13 @@ def _grammar_masked(logits: torch.Tensor, items: Sequence[ScheduledRequest],
     return drafts, logits
 
 
-def max_spec_batch(config: SpeculativeConfig) -> int:
-    """Most sampled sequences in a step that still proposes drafts."""
-    return DEFAULT_SPEC_MAX_BATCH if config.disable_by_batch_size is None else config.disable_by_batch_size
+def max_spec_batch(config: SpeculativeConfig, device: torch.device) -> int:
+    """Most sampled sequences in a step that still proposes drafts (on `device`)."""
+    if config.disable_by_batch_size is not None:
+        return config.disable_by_batch_size
+    if device.type == "cpu" and "amx_tile" not in this_cpu().flags:
+        return DEFAULT_SPEC_MAX_BATCH_CPU_WITHOUT_AMX
+    return DEFAULT_SPEC_MAX_BATCH
 
 
 def _all_tokens(state: SamplingRequestState) -> list[int]:
