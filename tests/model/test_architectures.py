@@ -103,7 +103,7 @@ def test_moe_target_with_a_dense_draft_equals_plain_decoding(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = LLM(target, dtype="float32", enforce_eager=True).generate(prompts, params, use_tqdm=False)
     spec = LLM(target, dtype="float32", enforce_eager=True, speculative_config={
-        "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": 8})
     drafted = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
     assert spec.engine.stats().spec_decode_num_draft_tokens > 0

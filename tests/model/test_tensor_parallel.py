@@ -67,7 +67,7 @@ def test_tp2_equals_tp1_on_smollm2_float32_with_speculation():
     prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": q}])}
                for q in SIXTEEN_PROMPTS[:5] + [grounded]]
     tp = LLM("smollm2-135m", dtype="float32", tensor_parallel_size=2,
-             speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8})
     try:
         local = tp.engine.executor.runner.local_config
         assert local.num_heads == 6 and local.num_kv_heads == 2
