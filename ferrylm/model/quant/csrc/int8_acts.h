@@ -124,5 +124,34 @@ inline Acts rows_of(const QuantizedActs& q, int64_t m0, int64_t M) {
           q.gsum.data() + m0 * q.groups};
 }
 
+// Runs Tiles::run<NB, MB> for a chunk of a.M (1..8) activation rows, MB a template argument so the
+// accumulators stay in registers (with a runtime row count they went to the stack: 4x slower). At most
+// 8 accumulators: 3 or 4 rows take output rows 2 at a time, 5..8 one at a time (each weight step is still
+// loaded and unpacked once for all rows). With 16 of AVX-512's 32 registers GCC kept some on the stack,
+// and 8 rows ran 1.3x slower.
+template <class Tiles, int NB, int MB>
+inline void tile_fit(const Packed& w, const Acts& a, int64_t n0, float* out) {
+  if constexpr (NB * MB > 8) {
+    tile_fit<Tiles, NB / 2, MB>(w, a, n0, out);
+    tile_fit<Tiles, NB / 2, MB>(w, a, n0 + NB / 2, out + NB / 2);
+  } else {
+    Tiles::template run<NB, MB>(w, a, n0, out);
+  }
+}
+
+template <class Tiles, int NB>
+inline void tile_m(const Packed& w, const Acts& a, int64_t n0, float* out) {
+  switch (a.M) {
+    case 1: tile_fit<Tiles, NB, 1>(w, a, n0, out); break;
+    case 2: tile_fit<Tiles, NB, 2>(w, a, n0, out); break;
+    case 3: tile_fit<Tiles, NB, 3>(w, a, n0, out); break;
+    case 4: tile_fit<Tiles, NB, 4>(w, a, n0, out); break;
+    case 5: tile_fit<Tiles, NB, 5>(w, a, n0, out); break;
+    case 6: tile_fit<Tiles, NB, 6>(w, a, n0, out); break;
+    case 7: tile_fit<Tiles, NB, 7>(w, a, n0, out); break;
+    default: tile_fit<Tiles, NB, 8>(w, a, n0, out); break;
+  }
+}
+
 }  // namespace ferry_quant
 #endif

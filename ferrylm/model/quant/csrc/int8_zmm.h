@@ -104,37 +104,16 @@ void tile(const Packed& w, const Acts& a, int64_t n0, float* out /* [MB, 16] */)
     for (int m = 0; m < MB; ++m) out[m * 16 + j] = _mm512_reduce_add_ps(acc[j][m]);
 }
 
-// At most 8 accumulators, as on AVX2: 3 or 4 activation rows take output rows 2 at a time, 5..8 one at a
-// time (each weight pair is still loaded and unpacked once for all rows). With 16 (of 32 registers) GCC
-// kept some on the stack, and 8 rows ran 1.3x slower.
-template <bool Q4, bool PER_LANE, int NB, int MB>
-void tile_fit(const Packed& w, const Acts& a, int64_t n0, float* out) {
-  if constexpr (NB * MB > 8) {
-    tile_fit<Q4, PER_LANE, NB / 2, MB>(w, a, n0, out);
-    tile_fit<Q4, PER_LANE, NB / 2, MB>(w, a, n0 + NB / 2, out + NB / 2);
-  } else {
-    tile<Q4, PER_LANE, NB, MB>(w, a, n0, out);
-  }
-}
-
-template <bool Q4, bool PER_LANE, int NB>
-void tile_m(const Packed& w, const Acts& a, int64_t n0, float* out) {
-  switch (a.M) {
-    case 1: tile_fit<Q4, PER_LANE, NB, 1>(w, a, n0, out); break;
-    case 2: tile_fit<Q4, PER_LANE, NB, 2>(w, a, n0, out); break;
-    case 3: tile_fit<Q4, PER_LANE, NB, 3>(w, a, n0, out); break;
-    case 4: tile_fit<Q4, PER_LANE, NB, 4>(w, a, n0, out); break;
-    case 5: tile_fit<Q4, PER_LANE, NB, 5>(w, a, n0, out); break;
-    case 6: tile_fit<Q4, PER_LANE, NB, 6>(w, a, n0, out); break;
-    case 7: tile_fit<Q4, PER_LANE, NB, 7>(w, a, n0, out); break;
-    default: tile_fit<Q4, PER_LANE, NB, 8>(w, a, n0, out); break;
-  }
-}
+template <bool Q4, bool PER_LANE>
+struct Tiles {  // this file's tiles, as tile_m (int8_acts.h) runs them
+  template <int NB, int MB>
+  static void run(const Packed& w, const Acts& a, int64_t n0, float* out) { tile<Q4, PER_LANE, NB, MB>(w, a, n0, out); }
+};
 
 template <bool Q4, int NB>
 void tile_rows(const Packed& w, const Acts& a, int64_t n0, float* out) {
-  if (w.G <= 32) tile_m<Q4, true, NB>(w, a, n0, out);
-  else tile_m<Q4, false, NB>(w, a, n0, out);
+  if (w.G <= 32) tile_m<Tiles<Q4, true>, NB>(w, a, n0, out);
+  else tile_m<Tiles<Q4, false>, NB>(w, a, n0, out);
 }
 
 }  // namespace ferry_quant::zmm
