@@ -1,6 +1,6 @@
-"""Which PackedWeight path is fastest at each activation row count M: the packed kernel (reads the
-weight once per 8 rows; VNNI int8 dot products for bf16), AMX tiles (bf16), or panels unpacked to
-the activation dtype + torch's GEMM. Sets packed.py's SMALL_M (fp32 / bf16) and AMX_M.
+"""Which PackedWeight path is fastest at each activation row count M: the exact packed kernel (reads
+the weight once per 8 rows), the int8-activation kernel (any M), AMX tiles (bf16), or panels unpacked
+to the activation dtype + torch's GEMM. Sets packed.py's INT8_M / INT8_FP32_M, SMALL_M and AMX_M.
 
     .venv/bin/python bench/packed_paths.py [--m 1,4,5,8,12,16,24,32,48,64] [--reps 20]
 
@@ -28,15 +28,14 @@ from ferrylm.model.quant.weight_only import quantize_int4  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LAYERS = 30
-VNNI_MAX_M = 8  # the VNNI kernel's limit (MAX_ROWS in vnni_gemv.cpp)
 
 
 def paths(p: PackedWeight, dtype: torch.dtype, m: int) -> dict:
     k = p.kernels
     out = {"kernel": lambda x: k.quant_linear(x, p.codes, p.scales, p.mins, p.group, p.q4),
            "panel": lambda x: torch.nn.functional.linear(x, p._unpack(slice(None), x.dtype))}
-    if dtype == torch.bfloat16 and k.has_vnni and m <= VNNI_MAX_M:
-        out["vnni"] = lambda x: k.quant_linear_vnni(x, p.codes, p.scales, p.mins, p.group, p.q4)
+    if k.has_vnni:  # any row count; fp32 x takes it under --dtype auto on CPUs without BF16
+        out["int8"] = lambda x: k.quant_linear_vnni(x, p.codes, p.scales, p.mins, p.group, p.q4)
     if dtype == torch.bfloat16 and k.has_amx:
         out["amx"] = lambda x: k.quant_linear_amx(x, p.codes, p.scales, p.mins, p.group, p.q4)
     return out
