@@ -25,6 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the KV pool (CPU)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="the KV pool's size in blocks, whatever the memory budget and the dtype (vLLM's flag; "
+                        "on the CPU too): the same pool on every machine")
     from ferrylm.config import KV_CACHE_DTYPE_CHOICES
 
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
@@ -79,6 +82,7 @@ def engine_config_from_args(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size, grammar_compile_timeout_s=args.grammar_compile_timeout,
         enable_expert_parallel=args.enable_expert_parallel,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          num_blocks=args.num_gpu_blocks_override,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype,
                           swap_space=args.swap_space),

@@ -79,6 +79,8 @@ class CacheConfig:
             raise ConfigError(f"--swap-space must be >= 0 GiB, not {self.swap_space!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"--num-gpu-blocks-override must be >= 1 block, not {self.num_blocks}")
         if self.cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ConfigError(f"--kv-cache-dtype {self.cache_dtype!r} is not supported; choose one of "
                               f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")

@@ -27,10 +27,10 @@ PREMIUM, PREMIUM_TOKENS = 3, 6
 def fair_server(tmp_path_factory):
     db = f"sqlite:///{tmp_path_factory.mktemp('fair') / 'state.db'}"
     keys = make_keys(db, {"noisy": {"tier": "batch"}, "vip": {"tier": "premium"}})
-    # 10 blocks of 16 tokens (bf16 SmolLM2: 368,640 bytes each): four flood requests (3 blocks each) outgrow it
+    # 10 blocks of 16 tokens, whatever the CPU's default dtype: four flood requests (3 blocks each) outgrow it
     server = ServerProcess("--model", "smollm2-135m", "--require-auth", "--state-db", db, "--no-admission-control",
                            "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "256",
-                           "--kv-cache-memory", str(10 * 368_640), "--preemption-mode", "swap", "--swap-space", "0.05")
+                           "--num-gpu-blocks-override", "10", "--preemption-mode", "swap", "--swap-space", "0.05")
     server.wait_ready()
     yield server, keys
     assert server.stop() == 0

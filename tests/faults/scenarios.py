@@ -24,10 +24,10 @@ from tests.faults.client import MODEL, Result, chat_body, send, stalled_reader
 from tests.faults.ledger import Ledger
 
 HOOKS = {"FERRYLM_TEST_HOOKS": "1"}
-# One replica sized so that faults bite: 16 sequences, a KV pool of ~160 blocks (bf16) that long
-# outputs overflow, a backlog cap of 64 outputs, liveness failing after 2 s of engine silence.
+# One replica sized so that faults bite: 16 sequences, a KV pool of 160 blocks (in blocks, not bytes:
+# the default dtype, and so the bytes per block, differ between CPUs) that long outputs overflow, a backlog cap of 64 outputs, liveness failing after 2 s of engine silence.
 SINGLE_ARGS = ("--model", MODEL, "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
-               "--kv-cache-memory", str(60_000_000), "--max-stream-backlog", "64", "--heartbeat-timeout", "2",
+               "--num-gpu-blocks-override", "160", "--max-stream-backlog", "64", "--heartbeat-timeout", "2",
                "--ready-timeout", "2", "--log-level", "warning")
 REPLICA_ARGS = ("--model", MODEL, "--no-gateway", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
                 "--heartbeat-timeout", "1", "--ready-timeout", "1", "--log-level", "warning")

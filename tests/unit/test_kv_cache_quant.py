@@ -220,3 +220,18 @@ def test_cli_rejects_unknown_kv_cache_dtype(capsys):
     config = engine_config_from_args(parser.parse_args(["--kv-cache-dtype", "int8"]))
     assert config.cache.cache_dtype == "int8"
     assert engine_config_from_args(parser.parse_args([])).cache.cache_dtype == "auto"
+
+
+def test_num_gpu_blocks_override_sizes_the_pool_in_blocks_whatever_the_memory(capsys):
+    """vLLM's --num-gpu-blocks-override: a pool size that does not depend on the dtype the CPU picks."""
+    import argparse
+
+    from ferrylm.cli import _add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    _add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--num-gpu-blocks-override", "160", "--kv-cache-memory", "1"]))
+    assert config.cache.num_blocks == 160
+    assert engine_config_from_args(parser.parse_args([])).cache.num_blocks is None
+    with pytest.raises(ConfigError, match="--num-gpu-blocks-override"):
+        engine_config_from_args(parser.parse_args(["--num-gpu-blocks-override", "0"]))
