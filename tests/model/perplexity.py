@@ -13,12 +13,13 @@ from ferrylm.model.forward_batch import ForwardBatch
 BLOCK = 16
 
 
-def perplexity(model, ids: list[int], chunk: int, cache_dtype: str = "auto") -> float:
+def perplexity(model, ids: list[int], chunk: int, cache_dtype: str = "auto",
+               model_dtype: torch.dtype = torch.bfloat16) -> float:
     """exp(mean NLL of each next token), the text fed `chunk` tokens per forward into caches of
-    --kv-cache-dtype `cache_dtype` (bf16 for "auto")."""
+    --kv-cache-dtype `cache_dtype` (`model_dtype`, the activations', for "auto")."""
     cfg = model.config
     blocks = -(-len(ids) // BLOCK)
-    dtype = kv_quant.storage_dtype(cache_dtype, torch.bfloat16)
+    dtype = kv_quant.storage_dtype(cache_dtype, model_dtype)
     shape = (blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     caches = [(kv_quant.allocate(shape, dtype, "cpu"), kv_quant.allocate(shape, dtype, "cpu"))
               for _ in range(cfg.num_layers)]

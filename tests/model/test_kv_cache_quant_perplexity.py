@@ -1,6 +1,6 @@
-"""Perplexity of SmolLM2 (bf16) on tests/data/english.txt (2,238 tokens) with the KV cache stored
+"""Perplexity of SmolLM2 (the activations `--dtype auto` picks here) on tests/data/english.txt (2,238 tokens) with the KV cache stored
 in fp8 (e4m3, per-tensor scale 1.0) and int8 (a scale per token and KV head): each within +1% of
-the same model with a bf16 cache ("auto").
+the same model with a cache in its own dtype ("auto").
 
 The model is the one tests/model/test_quant_perplexity.py builds (C++ CPU backend); the text is fed
 in 1,024-token chunks, and every chunk's attention reads K/V back from the (quantized) paged cache,
@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import requires_smollm2
 from tests.model.perplexity import perplexity
-from tests.model.test_quant_perplexity import BOUND, TEXT, _model
+from tests.model.test_quant_perplexity import ACTIVATIONS, BOUND, TEXT, _model
 
 pytestmark = requires_smollm2
 
@@ -46,11 +46,11 @@ def token_ids(model) -> list[int]:
 
 @pytest.fixture(scope="module")
 def baseline(model, token_ids) -> float:
-    return perplexity(model, token_ids, CHUNK)
+    return perplexity(model, token_ids, CHUNK, model_dtype=ACTIVATIONS)
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", pytest.param("int8", marks=pytest.mark.long)])
 def test_kv_cache_perplexity_within_one_percent(model, token_ids, baseline, cache_dtype):
     assert 20 < baseline < 40, baseline
-    ppl = perplexity(model, token_ids, CHUNK, cache_dtype)
+    ppl = perplexity(model, token_ids, CHUNK, cache_dtype, ACTIVATIONS)
     assert ppl <= baseline * BOUND, f"--kv-cache-dtype {cache_dtype}: perplexity {ppl:.3f} vs auto {baseline:.3f}"

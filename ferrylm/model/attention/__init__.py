@@ -15,12 +15,14 @@ def select_backend(spec: AttentionSpec, kind: str = "auto") -> AttentionBackend:
         raise ValueError(f"unknown attention backend {kind!r}; choose one of {', '.join(BACKEND_KINDS)}")
     from ferrylm.model.attention.cpu import CpuBackend, cpu_fused_ops
     from ferrylm.model.attention.torch_native import TorchNativeBackend
-    from ferrylm.model.attention.triton import TritonBackend, triton_available
 
     if kind == "torch":
         return TorchNativeBackend()
-    if kind == "triton" or (kind == "auto" and spec.device.type == "cuda" and triton_available()):
-        return TritonBackend(spec)
+    if kind == "triton" or (kind == "auto" and spec.device.type == "cuda"):
+        from ferrylm.model.attention.triton import TritonBackend, triton_available  # ~0.3 s: only off the CPU
+
+        if kind == "triton" or triton_available():
+            return TritonBackend(spec)
     kernels = cpu_fused_ops(spec.device)  # None off the CPU, or when the extension does not build
     if kernels is not None:
         return CpuBackend(kernels)

@@ -108,6 +108,12 @@ def _check_shape(origin: str, ckpt_name: str, got: tuple[int, ...], expected: tu
         raise ModelLoadError(f"{origin}: tensor {ckpt_name!r} has shape {got}, expected {expected}")
 
 
+def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`to_empty(device)` without meta-tensor `empty_like`, whose first call imports torch's Python meta
+    registrations and sympy (~1 s of every start)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                max_positions: int | None = None, fused_ops=None,
                quantization: QuantConfig | None = None, tp=None, int8_activations: bool = False) -> LlamaForCausalLM:
@@ -120,7 +126,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, fused_ops, quant=method,
                                  lm_head_quant=method.lm_head_method(), tp=tp)
-    model = model.to(dtype).to_empty(device=device)  # dtype cast on meta is free
+    model = _materialize(model.to(dtype), device)  # dtype cast on meta is free
     model.tie_weights()
     model.rotary.build_table(device)
     load_weights(model, checkpoint.weights(), str(checkpoint.source.path))
