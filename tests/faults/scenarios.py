@@ -25,7 +25,8 @@ from tests.faults.ledger import Ledger
 
 HOOKS = {"FERRYLM_TEST_HOOKS": "1"}
 # One replica sized so that faults bite: 16 sequences, a KV pool of 160 blocks (in blocks, not bytes:
-# the default dtype, and so the bytes per block, differ between CPUs) that long outputs overflow, a backlog cap of 64 outputs, liveness failing after 2 s of engine silence.
+# the default dtype, and so the bytes per block, differ between CPUs) that long outputs overflow, a
+# backlog cap of 64 outputs, liveness failing after 2 s of engine silence.
 SINGLE_ARGS = ("--model", MODEL, "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
                "--num-gpu-blocks-override", "160", "--max-stream-backlog", "64", "--heartbeat-timeout", "2",
                "--ready-timeout", "2", "--log-level", "warning")

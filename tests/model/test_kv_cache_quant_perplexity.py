@@ -1,6 +1,6 @@
-"""Perplexity of SmolLM2 (the activations `--dtype auto` picks here) on tests/data/english.txt (2,238 tokens) with the KV cache stored
-in fp8 (e4m3, per-tensor scale 1.0) and int8 (a scale per token and KV head): each within +1% of
-the same model with a cache in its own dtype ("auto").
+"""Perplexity of SmolLM2 (the activations `--dtype auto` picks here) on tests/data/english.txt
+(2,238 tokens) with the KV cache stored in fp8 (e4m3, per-tensor scale 1.0) and int8 (a scale per
+token and KV head): each within +1% of the same model with a cache in its own dtype ("auto").
 
 The model is the one tests/model/test_quant_perplexity.py builds (C++ CPU backend); the text is fed
 in 1,024-token chunks, and every chunk's attention reads K/V back from the (quantized) paged cache,

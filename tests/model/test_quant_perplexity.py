@@ -90,4 +90,4 @@ def test_perplexity_within_one_percent(checkpoint, token_ids, baselines, quantiz
     baseline = baselines[len(ids)]
     assert 20 < baseline < 40, baseline  # sane English perplexity for a 135M model
     ppl = perplexity(_model(checkpoint, quantization), ids, chunk, model_dtype=ACTIVATIONS)
-    assert ppl <= baseline * BOUND, f"{quantization}: perplexity {ppl:.3f} vs dequantized {baseline:.3f} ({ACTIVATIONS})"
+    assert ppl <= baseline * BOUND, f"{quantization}: {ppl:.3f} vs dequantized {baseline:.3f} ({ACTIVATIONS})"
