@@ -24,6 +24,18 @@ settings.register_profile("fuzz", derandomize=False, deadline=None, max_examples
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`: two workers on two cores) each worker, and every server or rank
+    it starts, computes on one thread: two workers' OpenMP teams of two on two cores spin against each
+    other (48 min of CPU for the suite instead of 37, and slower than one worker)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("FERRYLM_CPU_THREADS", "1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def examples(n: int) -> int:
     """A test's example budget: `n` under the ci profile, FUZZ_SCALE times `n` under fuzz.
     Read when the test module is imported, after the profile is loaded (this conftest)."""
