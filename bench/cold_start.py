@@ -11,8 +11,6 @@ is flagged (/proc/stat).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 import tempfile
 import time
@@ -26,24 +24,6 @@ from bench.anchors.cpu import CpuWindow, describe_cpu  # noqa: E402
 from tests.e2e.server_process import ServerProcess  # noqa: E402
 
 MODEL = "smollm2-135m"
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process under `root` (inductor's compile workers outlive a killed server otherwise,
-    and spun a core through the next benchmark)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def one_round(timeout: float) -> dict[str, float]:
@@ -69,12 +49,7 @@ def one_round(timeout: float) -> dict[str, float]:
                     marks["graphs compiled"] = time.monotonic() - start
             marks["foreign CPU"] = window.foreign_share
         finally:
-            for pid in [server.proc.pid, *descendants(server.proc.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            server.proc.wait(60)
+            server.kill()  # its compile workers too
         return marks
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,8 +40,9 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self._log = self.log_path.open("wb")
         base_env = {k: v for k, v in os.environ.items() if k not in ("FERRYLM_API_KEY", "FERRYLM_TEST_HOOKS")}
+        # a session of its own: kill() reaches its children too (inductor's compile workers)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**base_env, **(env or {})},
-                                     cwd=cwd)  # `python -m` imports ferrylm from cwd first
+                                     cwd=cwd, start_new_session=True)  # `python -m` imports ferrylm from cwd first
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -92,6 +94,15 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server still busy: {m}")
             time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started: a killed server's inductor compile workers
+        otherwise live on, and spun a core through whatever ran next."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(60)
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
