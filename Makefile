@@ -40,8 +40,9 @@ lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, se
 	$(VENV)/bin/mypy ferrylm/engine ferrylm/server ferrylm/gateway ferrylm/router ferrylm/http ferrylm/load_report.py \
 	    ferrylm/request_limits.py ferrylm/outputs.py ferrylm/sampling_params.py
 
-# Two pytest workers, a test file each at a time (module fixtures start their servers once): one
-# worker's server start-up or idle wait overlaps the other's compute (-24% wall on 2 cores).
+# Two pytest workers, a test file each at a time (module fixtures start their servers once), each at one
+# compute thread (tests/conftest.py): one worker's start-up or idle wait overlaps the other's compute
+# (1718 s -> ~1050 s on 2 AVX2 cores, docs/testing.md).
 test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider -m "not long" -n 2 --dist loadfile
 
