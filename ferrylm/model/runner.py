@@ -23,7 +23,7 @@ from ferrylm.model import prompt_logprobs
 from ferrylm.model.arch.llama import KVCache, LlamaForCausalLM
 from ferrylm.model.attention import AttentionSpec, kv_quant, select_backend
 from ferrylm.model.attention.cpu import cpu_fused_ops
-from ferrylm.model.compile.compiled_step import CompiledDecodeStep
+from ferrylm.model.compile.compiled_step import CompiledDecodeStep, GraphNotCached
 from ferrylm.model.compile.cuda_graphs import CudaGraphRunner
 from ferrylm.model.cpu.cpu_threads import configure_cpu_threads
 from ferrylm.model.forward_batch import ForwardBatch
@@ -56,6 +56,9 @@ class ModelRunner:
     `enforce_eager`: no CUDA graphs (CUDA) and no compiled decode step (CPU, compiled_step.py).
     `compile_in_background`: the CPU decode graphs compile on a thread while steps run eagerly
     (wait_compiled() waits for them); False compiles them here, before the constructor returns.
+    `compile_elsewhere`: runs the background compile in another process, filling the disk cache
+    (True when it did; compile_worker.py), so the thread here only loads the graphs; None compiles
+    on the thread itself, which holds the GIL and slows eager steps meanwhile.
     `int8_activations`: packed weights' decode GEMVs quantize fp32 activations to int8 per 32 values
     (the default for --dtype auto, cpu_plan.py); off, a float32 model is exact against its twin.
     `cache_config.cache_dtype`: "auto" keeps K/V in `dtype`; fp8 / int8 (kv_quant.py) need a backend
@@ -67,7 +70,7 @@ class ModelRunner:
                  max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto",
                  quantization: QuantConfig | None = None, speculative: SpeculativeConfig | None = None,
                  tp: TPGroup | None = None, compile_in_background: bool = True, int8_activations: bool = False,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, compile_elsewhere: Callable[[], bool] | None = None):
         self.config: ModelConfig = checkpoint.config  # the whole model's (vocabulary, layers, EOS)
         if tp is not None and device.type != "cpu":
             raise ConfigError("--tensor-parallel-size > 1 runs on CPU (gloo) in this version; NCCL on CUDA is not "
@@ -111,6 +114,7 @@ class ModelRunner:
         # Set once the decode graphs are ready: until then decode steps run eagerly (same tokens).
         self.compiled: CompiledDecodeStep | None = None
         self._compiling: threading.Thread | None = None
+        self.compile_elsewhere = compile_elsewhere
         if device.type == "cpu" and hasattr(self.attn_backend, "prepare_decode") and not enforce_eager:
             self._start_compile(max_num_seqs, max_blocks, compile_in_background)
         self.sampler = Sampler()
@@ -171,17 +175,28 @@ class ModelRunner:
 
     def _compile_decode(self, max_num_seqs: int, max_blocks: int, publish: bool = False) -> CompiledDecodeStep | None:
         """The warmed-up compiled step (also stored on self when `publish`); a model that cannot
-        compile as one graph stays eager, with a warning."""
+        compile as one graph stays eager, with a warning. In the background with `compile_elsewhere`,
+        graphs missing from the disk cache are compiled by the other process first, then loaded."""
         step = CompiledDecodeStep(self.model, self.kv_caches, max_num_seqs, max_blocks, pad_block=self.num_blocks,
                                   block_size=self.block_size)
+        elsewhere = publish and self.compile_elsewhere is not None
         try:
-            report = step.warm_up()
+            try:
+                report = step.warm_up(compile_missing=not elsewhere)
+            except GraphNotCached:
+                if not self.compile_elsewhere():
+                    log.warning("the compile worker failed; compiling the decode graphs in this process")
+                    elsewhere = False
+                report = step.warm_up()
         except Exception as e:  # noqa: BLE001 - e.g. an op dynamo cannot trace: eager still works
             log.warning("decode step not compiled, running eagerly (--enforce-eager silences this): %s",
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
         log.info("compiled decode step in %.1f s (batch sizes: %s compiled, %s loaded from %s)", report.seconds,
                  report.compiled, report.loaded, step.cache_dir)
+        if elsewhere and report.compiled:
+            log.warning("the compile worker's graphs did not match this process's (their keys differ): %s "
+                        "compiled again here", report.compiled)
         if publish:
             self.compiled = step
         return step

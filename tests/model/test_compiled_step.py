@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrylm.config import CacheConfig
+from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
 from ferrylm.model.attention.cpu_kernels import load_cpu_kernels
 from ferrylm.model.loaders.loader import Checkpoint
 from ferrylm.model.loaders.model_source import resolve_model
+from ferrylm.model.parallel.tp_worker import build_runner
 from ferrylm.model.runner import ModelRunner
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -30,7 +31,7 @@ BLOCK, BLOCKS_PER_SEQ, MAX_SEQS, MAX_LEN = 16, 4, 4, 64
 RUNNER_SCRIPT = """
 import json, sys
 import torch
-from ferrylm.config import CacheConfig
+from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
 from ferrylm.model.loaders.loader import Checkpoint
 from ferrylm.model.loaders.model_source import resolve_model
 from ferrylm.model.runner import ModelRunner
@@ -132,6 +133,34 @@ def test_background_compile_serves_eagerly_then_takes_over(tiny, tmp_path, monke
     monkeypatch.setattr(step, "logits", lambda batch: calls.append(batch.num_seqs) or original(batch))
     assert _greedy(runner, [prompt], [10], "bg-1") == want
     assert calls == [1] * 9  # every decode step through the graph once it was ready
+
+
+def test_the_default_start_compiles_in_a_child_process_and_only_loads_the_graphs(tiny, tmp_path, monkeypatch):
+    """build_runner's runner (what `ferrylm serve` and LLM() use) hands a cold cache's compile to a
+    child process (compile_worker.py): steps run eagerly meanwhile, and this process then loads
+    every graph the child saved instead of compiling any (the keys match), same tokens throughout."""
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    config = EngineConfig(model=str(tiny), dtype="bfloat16", cache=CacheConfig(block_size=BLOCK, num_blocks=32),
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=MAX_LEN))
+    runner, _, _ = build_runner(config)
+    assert runner.compile_elsewhere is not None and runner._compiling.ident is None
+    eager = _runner(tiny, enforce_eager=True, max_num_seqs=1)
+    prompt = torch.randint(3, 320, (7,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = _greedy(eager, [prompt], [10], "child-e")
+    assert _greedy(runner, [prompt], [10], "child-0") == want
+    step = runner.wait_compiled(timeout=900)
+    assert step is not None and step.report is not None
+    assert step.report.compiled == [] and step.report.loaded == ["1"], step.report
+    assert list((tmp_path / "compiled").glob("*/decode-*.bin")), "the child saved no graph"
+    calls: list[int] = []
+    original = step.logits
+    monkeypatch.setattr(step, "logits", lambda batch: calls.append(batch.num_seqs) or original(batch))
+    assert _greedy(runner, [prompt], [10], "child-1") == want
+    assert calls == [1] * 9
+    # a warm cache needs no child: the next start loads at once
+    again, _, _ = build_runner(config)
+    again.compile_elsewhere = lambda: pytest.fail("a warm cache started the compile worker")
+    assert again.wait_compiled(timeout=300).report.loaded == ["1"]
 
 
 def test_compiled_fp8_kv_step_equals_eager(tiny, tmp_path, monkeypatch):

@@ -85,6 +85,10 @@ class WarmUpReport(NamedTuple):
     compiled: list[str]  # graphs compiled (and saved) now
 
 
+class GraphNotCached(LookupError):
+    """warm_up(compile_missing=False) met a batch-size bucket whose graph is not in the disk cache."""
+
+
 class CompiledDecodeStep:
     """Decode-only batches of up to max_num_seqs rows through compiled graphs.
 
@@ -123,10 +127,11 @@ class CompiledDecodeStep:
         return step(*self._args(batch.num_seqs))
 
     @torch.inference_mode()
-    def warm_up(self) -> WarmUpReport:
+    def warm_up(self, compile_missing: bool = True) -> WarmUpReport:
         """Load or compile graphs from the largest batch down until every size has one (or
         MAX_GRAPHS are made); each runs once on padding rows (length 1, the pad slot). Raises when
-        the model does not trace as one graph."""
+        the model does not trace as one graph, and GraphNotCached (nothing published) on a graph
+        missing from the cache unless `compile_missing`."""
         start, loaded, compiled, ranges = time.perf_counter(), [], [], []
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         high = self.max_num_seqs
@@ -138,6 +143,8 @@ class CompiledDecodeStep:
                 path = self.cache_dir / f"decode-{key}.bin"
                 step = load_step(path, self._args(high), globals())
                 done = loaded if step is not None else compiled
+                if step is None and not compile_missing:
+                    raise GraphNotCached(path.name)
                 if step is None:
                     log.info("compiling the decode step for up to %d rows (once: cached in %s)", high, self.cache_dir)
                     step = _compile(self._args(high), path, options)

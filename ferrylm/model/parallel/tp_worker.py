@@ -46,8 +46,10 @@ def from_torchrun(world: int, environ: Mapping[str, str] | None = None) -> Rende
                       env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
-def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, int]:
-    """(ModelRunner, ModelSource, max_model_len) of `config`, for one rank when `tp_group` is given."""
+def build_runner(config: EngineConfig, tp_group: Any = None, compile_in_child: bool = True) -> tuple[Any, Any, int]:
+    """(ModelRunner, ModelSource, max_model_len) of `config`, for one rank when `tp_group` is given.
+    `compile_in_child`: the CPU decode graphs compile in a child process (compile_worker.py)."""
+    from ferrylm.model.compile.compile_worker import compile_in_child as compile_elsewhere
     from ferrylm.model.cpu.cpu_plan import plan_cpu
     from ferrylm.model.cpu.cpu_threads import configure_cpu_threads
     from ferrylm.model.device import resolve_device, resolve_dtype
@@ -68,7 +70,8 @@ def build_runner(config: EngineConfig, tp_group: Any = None) -> tuple[Any, Any, 
                          config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                          enforce_eager=config.enforce_eager, quantization=config.quant,
                          speculative=config.speculative, tp=tp_group, int8_activations=int8_activations,
-                         expert_parallel=config.enable_expert_parallel)
+                         expert_parallel=config.enable_expert_parallel,
+                         compile_elsewhere=(lambda: compile_elsewhere(config)) if compile_in_child else None)
     return runner, source, max_model_len
 
 
