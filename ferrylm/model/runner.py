@@ -38,6 +38,13 @@ from ferrylm.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("ferrylm.runner")
 
+# A step of at most this many tokens (decodes plus prefill chunks) runs in the compiled decode step, a
+# row per token, even with prefill chunks. Past it the graph's LM head over every row (not only the
+# sampled ones) outweighs what it saves: 4 decodes + 8 prompt tokens 33.7 ms vs 39.8 eager, + 16 tokens
+# 64.9 vs 63.7, + 60 tokens 133.9 vs 118.4 (AVX2 Zen 3, bench/mixed_step.py). Scored chunks (prompt
+# logprobs) need every row's logits, and take the graph whenever they fit (1.15x at every size).
+MIXED_ROWS_MAX = 12
+
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
     """Bytes one block takes in every layer's K and V: `dtype` elements for "auto", else 1-byte codes
@@ -324,10 +331,14 @@ class ModelRunner:
             return ModelOutput({}, {})
         rows = [i for i, s in enumerate(output.scheduled) if s.sample]
         counts = [1 + len(output.scheduled[i].draft_token_ids) for i in rows]
-        batch = build_batch(output.scheduled, self.block_size, self.device)
+        batch = build_batch(output.scheduled, self.block_size, self.device, self._rows_fit_compiled(output))
         plans = prompt_logprobs.plan(output.scheduled, self.states)
         scored: dict[str, list[PromptLogprob]] = {}
-        if plans:  # eager: the prompt rows' hidden states are needed, not only the sampled rows' logits
+        if plans and self.compiled is not None and self.compiled.can_run(batch):
+            every = self.compiled.logits(batch)  # one row per token: the scored rows' logits are here
+            logits = every.index_select(0, batch.logits_indices)
+            scored = prompt_logprobs.compute(lambda rows: rows, every, plans)
+        elif plans:  # eager: the prompt rows' hidden states are needed, not only the sampled rows' logits
             hidden = self._forward(batch)
             logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
             scored = prompt_logprobs.compute(self.model.compute_logits, hidden, plans)
@@ -343,6 +354,18 @@ class ModelRunner:
         if self.speculator is not None:
             drafts = self.speculator.propose([output.scheduled[i] for i in rows], self.states)
         return result._replace(prompt_logprobs=scored, draft_token_ids=drafts)
+
+    def _rows_fit_compiled(self, output: SchedulerOutput) -> bool:
+        """Whether to lay this step's prefill chunks out as decode rows and run the compiled step: when
+        its tokens fit the graphs and either few (the graph then beats the eager mixed step) or every
+        row's logits are needed anyway (prompt logprobs)."""
+        if self.compiled is None:
+            return False
+        tokens = sum(len(s.token_ids) for s in output.scheduled)
+        if tokens > self.compiled.max_num_seqs:
+            return False
+        return tokens <= MIXED_ROWS_MAX or any(self.states[s.request_id].params.prompt_logprobs is not None
+                                               for s in output.scheduled if len(s.token_ids) > 1)
 
     def _compiled_grammar(self, ref: str) -> Any:
         if self.grammar_of is None:

@@ -113,6 +113,62 @@ def test_compiled_tokens_equal_eager(runners, monkeypatch):
     assert set(calls) == {1, 2, 3, 4}
 
 
+def _mixed(runner: ModelRunner, tag: str) -> tuple[list[int], list[int], list]:
+    """Request A (7-token prompt) decodes while request B's 10-token prompt is prefilled 3 tokens a
+    step beside it (4 rows: a compiled step's size), B scoring its prompt (prompt_logprobs=2); then
+    both decode. (A's tokens, B's tokens, B's prompt logprobs)."""
+    gen = torch.Generator().manual_seed(11)
+    a, b = (torch.randint(3, 320, (n,), generator=gen).tolist() for n in (7, 10))
+    ra, rb = f"{tag}-a", f"{tag}-b"
+    ta, tb = list(range(0, BLOCKS_PER_SEQ)), list(range(BLOCKS_PER_SEQ, 2 * BLOCKS_PER_SEQ))
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    out_a: list[int] = []
+    out_b: list[int] = []
+    scored: list = []
+    step = SchedulerOutput([ScheduledRequest(ra, a, 0, ta, True)], [NewRequestData(ra, a, greedy)], [], len(a))
+    out_a.append(runner.execute(step).sampled[ra])
+    new = [NewRequestData(rb, b, SamplingParams(temperature=0.0, max_tokens=16, prompt_logprobs=2))]
+    for start in range(0, len(b), 3):
+        chunk = b[start:start + 3]
+        items = [ScheduledRequest(ra, [out_a[-1]], len(a) + len(out_a) - 1, ta, True),
+                 ScheduledRequest(rb, chunk, start, tb, start + len(chunk) == len(b))]
+        result = runner.execute(SchedulerOutput(items, new, [], 1 + len(chunk)))
+        new = []
+        out_a.append(result.sampled[ra])
+        scored += result.prompt_logprobs.get(rb, [])
+        if rb in result.sampled:
+            out_b.append(result.sampled[rb])
+    for _ in range(4):
+        items = [ScheduledRequest(ra, [out_a[-1]], len(a) + len(out_a) - 1, ta, True),
+                 ScheduledRequest(rb, [out_b[-1]], len(b) + len(out_b) - 1, tb, True)]
+        result = runner.execute(SchedulerOutput(items, [], [], 2))
+        out_a.append(result.sampled[ra])
+        out_b.append(result.sampled[rb])
+    runner.execute(SchedulerOutput([], [], [ra, rb], 0))
+    return out_a, out_b, scored
+
+
+def test_prefill_chunks_beside_decodes_run_in_the_compiled_step(runners, monkeypatch):
+    """A step whose tokens fit the compiled graphs lays each prefill chunk out as decode rows and runs
+    in the graph (the eager mixed step cost ~3x the decode step it joined): the same greedy tokens as
+    the eager runner, the prompt's logprobs from the graph's rows within bf16 rounding of eager's."""
+    compiled, eager = runners
+    calls: list[int] = []
+    step = compiled.compiled
+    original = step.logits
+    monkeypatch.setattr(step, "logits", lambda batch: calls.append(batch.num_seqs) or original(batch))
+    want_a, want_b, want_scored = _mixed(eager, "mix-e")
+    got_a, got_b, got_scored = _mixed(compiled, "mix-c")
+    assert (got_a, got_b) == (want_a, want_b)
+    # the 4 mixed steps (3 + 3 + 3 + 1 prompt tokens beside A's decode) and the 4 decode steps
+    assert calls == [4, 4, 4, 2, 2, 2, 2, 2], calls
+    assert [p.position for p in got_scored] == list(range(1, 10))
+    for got, want in zip(got_scored, want_scored, strict=True):
+        assert got.position == want.position and list(got.entries)[0] == list(want.entries)[0]
+        token = list(want.entries)[0]
+        assert abs(got.entries[token] - want.entries[token]) < 0.05, (got, want)
+
+
 def test_background_compile_serves_eagerly_then_takes_over(tiny, tmp_path, monkeypatch):
     """The default start: the constructor returns without compiling (a cold cache costs minutes on a
     slow CPU), the first step starts the compile on a thread, steps run eagerly meanwhile, and once

@@ -47,21 +47,28 @@ class Verification(NamedTuple):
     accepted_logprobs: dict[str, list[TokenLogprobs]]  # of each kept draft token, likewise
 
 
-def build_batch(scheduled: Sequence[ScheduledRequest], block_size: int, device: torch.device) -> ForwardBatch:
+def build_batch(scheduled: Sequence[ScheduledRequest], block_size: int, device: torch.device,
+                one_row_per_token: bool = False) -> ForwardBatch:
     """The step's ForwardBatch. A drafted sequence becomes one decode row per token (the last
     committed one, then each draft token), row j attending to its context plus the j tokens before
     it: each layer writes every row's K/V before attending, so this is exactly causal. A decode
-    batch with drafts thus stays decode-only: the decode kernel, the compiled step."""
+    batch with drafts thus stays decode-only: the decode kernel, the compiled step.
+    `one_row_per_token`: a prefill chunk is laid out the same way (its last row sampled when the
+    chunk ends the prompt), so a step mixing small chunks with decodes runs the compiled step too."""
     tokens: list[list[int]] = []
     contexts: list[int] = []
     tables: list[list[int]] = []
     rows: list[int] = []
     for s in scheduled:
-        if s.draft_token_ids:
-            rows += range(len(tokens), len(tokens) + len(s.token_ids))
+        if s.draft_token_ids or (one_row_per_token and len(s.token_ids) > 1):
+            first = len(tokens)
             tokens += [[t] for t in s.token_ids]
             contexts += range(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids))
             tables += [s.block_ids] * len(s.token_ids)
+            if s.draft_token_ids:
+                rows += range(first, len(tokens))
+            elif s.sample:
+                rows.append(len(tokens) - 1)
         else:
             if s.sample:
                 rows.append(len(tokens))
