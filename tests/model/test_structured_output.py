@@ -147,3 +147,39 @@ def test_a_compile_past_its_budget_is_stopped_and_the_next_one_still_runs() -> N
         assert compiler.submit(Spec(choice=("yes", "no"))).result(60) is not None  # a fresh worker serves
     finally:
         compiler.shutdown()
+
+
+def test_a_killed_compile_worker_is_replaced_by_a_ready_spare_before_the_next_compile() -> None:
+    """After a worker is killed (budget, or nobody waiting) a spare starts in the background and
+    reports ready (xgrammar imported, tokenizer loaded): the next compile takes it, so its budget is
+    not spent on a process start (bench/compile_budget.py: a 1 s budget refused after 5.4 s before)."""
+    import time
+
+    from ferrylm.model.loaders.model_source import resolve_model
+    from ferrylm.model.structured.structured_output import GrammarCompiler, GrammarLimits
+    from ferrylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model("smollm2-135m"))
+    compiler = GrammarCompiler(tok.hf, len(tok.hf), tuple(tok.eos_token_ids), GrammarLimits(compile_timeout_s=0.5))
+    slow = {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": "^[a-z]{2,9}@[a-z]{3,9}\\\\.com$"} for i in range(60)}}
+    try:
+        with pytest.raises(StructuredOutputError, match="budget"):
+            compiler.submit(Spec(json=slow)).result(120)  # the first worker: killed
+        deadline = time.monotonic() + 120
+        while not compiler._idle and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(compiler._idle) == 1, "no spare worker became ready"
+        spare = compiler._idle[0]
+        assert spare._ready and spare.alive
+        started = time.monotonic()
+        with pytest.raises(StructuredOutputError, match="budget"):
+            compiler.submit(Spec(json=slow | {"title": "2"})).result(120)
+        refused_after = time.monotonic() - started
+        assert not spare.alive, "the second bomb did not run on the spare"
+        assert refused_after < 0.5 + 3.0, refused_after  # a process start took 4-5 s more
+        while not compiler._idle and time.monotonic() < deadline + 120:
+            time.sleep(0.1)
+        assert compiler.submit(Spec(choice=("yes", "no"))).result(60) is not None  # the next spare serves
+    finally:
+        compiler.shutdown()

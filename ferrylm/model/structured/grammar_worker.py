@@ -2,7 +2,9 @@
 interrupted inside a thread, and a schema built to compile for minutes would hold the compiler (and
 a core) for everyone. The child runs at a lower CPU priority (decode steps come first), compiles
 one constraint at a time and sends back xgrammar's serialized CompiledGrammar; the parent kills it
-when the compile's budget runs out or its last waiter left, and starts a fresh one for the next."""
+when the compile's budget runs out or its last waiter left, and starts a fresh one for the next.
+A worker says "ready" once xgrammar is imported and the tokenizer loaded (~4-5 s): a compile's
+budget is counted from then, so a slow start never turns a small schema into a timeout."""
 
 from __future__ import annotations
 
@@ -16,10 +18,15 @@ from collections.abc import Callable
 from typing import IO, Any
 
 NICE = 10  # below the engine's own threads
+STARTUP_TIMEOUT_S = 120.0  # importing xgrammar and loading a 150k-token vocabulary on a loaded machine
 
 
 class CompileTimeout(Exception):
     """The compile ran past its budget; the worker was killed."""
+
+
+class WorkerStartFailed(Exception):
+    """The worker process died or hung before it was ready."""
 
 
 class CompileCancelled(Exception):
@@ -49,8 +56,12 @@ def _serve() -> None:
     import xgrammar
 
     inp, out = sys.stdin.buffer, sys.stdout.buffer
-    info = xgrammar.TokenizerInfo.deserialize_json(_recv(inp))
+    try:
+        info = xgrammar.TokenizerInfo.deserialize_json(_recv(inp))
+    except (EOFError, ValueError, RuntimeError):
+        return  # the parent went away (or killed us) while sending the tokenizer
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    _send(out, "ready")
     while True:
         try:
             kind, payload, any_whitespace = _recv(inp)
@@ -74,14 +85,33 @@ def compile_one(compiler: Any, kind: str, payload: str, any_whitespace: bool) ->
 
 class CompileWorker:
     """One child process (a plain subprocess: no re-import of the caller's __main__, as
-    multiprocessing's spawn would do); `compile` is called by one thread at a time."""
+    multiprocessing's spawn would do); `compile` is called by one thread at a time. The constructor
+    returns once the child has the tokenizer (the pipe takes it as the child reads); `wait_ready`
+    waits for the child's "ready"."""
 
     def __init__(self, tokenizer_info_json: str):
         self._proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.structured.grammar_worker"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._in, self._out = self._proc.stdin, self._proc.stdout
-        _send(self._in, tokenizer_info_json)
+        self._ready = False
+        try:
+            _send(self._in, tokenizer_info_json)
+        except OSError:
+            pass  # it died at start: wait_ready says so
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Block until the child can compile; WorkerStartFailed (the child killed) if it cannot."""
+        if self._ready:
+            return
+        if select.select([self._out], [], [], timeout_s)[0]:
+            try:
+                self._ready = _recv(self._out) == "ready"
+            except (EOFError, ValueError):
+                pass
+        if not self._ready:
+            self.kill()
+            raise WorkerStartFailed()
 
     @property
     def alive(self) -> bool:
@@ -90,7 +120,12 @@ class CompileWorker:
     def compile(self, kind: str, payload: str, any_whitespace: bool, budget_s: float,
                 cancelled: Callable[[], bool]) -> str:
         """The serialized compiled grammar; ValueError for a grammar xgrammar refuses; CompileTimeout
-        or CompileCancelled (the worker is dead then) when the budget ran out or nobody waits."""
+        or CompileCancelled (the worker is dead then) when the budget ran out or nobody waits. The
+        budget starts once the worker is ready."""
+        try:
+            self.wait_ready()
+        except WorkerStartFailed:
+            raise CompileTimeout() from None
         try:
             _send(self._in, [kind, payload, any_whitespace])
         except OSError:

@@ -21,7 +21,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ferrylm.model.structured.grammar_worker import CompileCancelled, CompileTimeout, CompileWorker, tokenizer_info_json
+from ferrylm.model.structured.grammar_worker import (
+    STARTUP_TIMEOUT_S,
+    CompileCancelled,
+    CompileTimeout,
+    CompileWorker,
+    WorkerStartFailed,
+    tokenizer_info_json,
+)
 from ferrylm.model.structured.schema_policy import SchemaLimits, check_schema
 from ferrylm.sampling_params import StructuredOutputsParams
 
@@ -89,7 +96,10 @@ class GrammarCompiler:
         self._executor: ThreadPoolExecutor | None = None
         self._info: Any = None  # xgrammar.TokenizerInfo, built at the first compile
         self._info_json = ""
-        self._idle: list[CompileWorker] = []
+        self._idle: list[CompileWorker] = []  # started and ready, each compiling nothing
+        self._closed = False
+        self._starting = 0  # spares being started (_start_spare)
+        self._ready = threading.Condition(self._lock)  # notified when a worker becomes idle
         self.compile_seconds: dict[tuple, float] = {}  # per cached key: cold compile time (benchmarks)
         # StructuredOutputsParams.ref → the future a live request holds (alive while one does, even
         # once the LRU cache evicted it): what `compiled` resolves a SchedulerOutput's reference with
@@ -173,6 +183,9 @@ class GrammarCompiler:
                                         param) from None
         except CompileCancelled:
             raise StructuredOutputError(f"'{param}': the compile was stopped (nobody waits for it)", param) from None
+        except WorkerStartFailed:
+            raise StructuredOutputError(f"'{param}': the structured-output compiler could not start; retry",
+                                        param) from None
         except (RuntimeError, ValueError) as e:
             raise StructuredOutputError(f"Invalid '{param}': {_clean(e)}", param) from None
         except ImportError:
@@ -180,16 +193,43 @@ class GrammarCompiler:
                                         param) from None
 
     def _on_worker(self, kind: str, payload: str, any_whitespace: bool, job: _Job) -> str:
-        """Compile on an idle worker process (a new one if none); a worker that was killed is dropped."""
-        with self._lock:
+        """Compile on an idle worker process (the spare being started, if one is; else a new one); a
+        worker that was killed is dropped and a spare started in its place, so the next compile does
+        not wait for a whole process start."""
+        with self._ready:
+            if not self._idle and self._starting:
+                self._ready.wait_for(lambda: self._idle or not self._starting, timeout=STARTUP_TIMEOUT_S)
             worker = self._idle.pop() if self._idle else None
         worker = worker or CompileWorker(self._info_json)
         try:
             return worker.compile(kind, payload, any_whitespace, self.limits.compile_timeout_s, job.cancelled)
         finally:
             if worker.alive:
-                with self._lock:
+                with self._ready:
                     self._idle.append(worker)
+                    self._ready.notify()
+            else:
+                with self._lock:
+                    self._starting += 1
+                threading.Thread(target=self._start_spare, name="ferrylm-grammar-spare", daemon=True).start()
+
+    def _start_spare(self) -> None:
+        """A ready worker into the idle list (at most max_concurrent idle; none after shutdown)."""
+        worker = None
+        try:
+            worker = CompileWorker(self._info_json)
+            worker.wait_ready()
+        except (OSError, WorkerStartFailed):
+            log.warning("a spare grammar compile worker failed to start; the next compile starts one")
+            worker = None
+        with self._ready:
+            self._starting -= 1
+            keep = worker is not None and not self._closed and len(self._idle) < self.limits.max_concurrent
+            if keep:
+                self._idle.append(worker)
+            self._ready.notify()
+        if worker is not None and not keep:
+            worker.kill()
 
     def _checked(self, spec: StructuredOutputsParams) -> tuple[str, str]:
         """(kind, payload) for the worker, after the limits and the keyword policy (ValueError)."""
@@ -230,6 +270,7 @@ class GrammarCompiler:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.kill()
