@@ -22,6 +22,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="at most this many prompt tokens of one request per step (0: no cap): smaller chunks keep "
                         "other requests' inter-token latency lower while a long prompt is prefilled")
+    p.add_argument("--decode-isolation-headroom", type=float, default=0.0,
+                   help="while one tenant's requests decode, another tenant's prompt tokens may lengthen a step by "
+                        "at most this fraction of its decode-only time (0: off; tenants are told apart by cache salt)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the KV pool (CPU)")
@@ -88,7 +91,8 @@ def engine_config_from_args(args: argparse.Namespace):
                           swap_space=args.swap_space),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
-                                  long_prefill_token_threshold=args.long_prefill_token_threshold))
+                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
+                                  decode_isolation_headroom=args.decode_isolation_headroom))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

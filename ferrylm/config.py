@@ -105,8 +105,15 @@ class SchedulerConfig:
     # later); swap: they are copied to host memory (--swap-space) and back; auto: per request, whichever
     # costs less (engine/preemption.py)
     preemption_mode: str = "auto"
+    # --decode-isolation-headroom (FerryLM's; 0: off): while requests of one tenant (one cache salt: both
+    # front doors salt per tenant) decode, another tenant's prompt tokens may lengthen a step by at most
+    # this fraction of its decode-only time (engine/step_cost.py learns what a token costs here), at
+    # least 1 token a step. That tenant's time to first token pays for the others' inter-token latency.
+    decode_isolation_headroom: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.decode_isolation_headroom <= 100:
+            raise ConfigError("--decode-isolation-headroom must be between 0 (off) and 100")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.long_prefill_token_threshold < 0:

@@ -208,7 +208,9 @@ class Engine:
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
             return failed
         self._count_batch(sched)
+        started = time.perf_counter()
         result = self.executor.execute(sched)
+        self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
         updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)
         self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
         return failed + self.output_processor.process(updated, result.logprobs,

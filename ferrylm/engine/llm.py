@@ -26,7 +26,8 @@ class LLM:
                  device: str = "cpu", seed: int = 0, quantization: str | None = None, enforce_eager: bool = False,
                  kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
                  tensor_parallel_size: int = 1, swap_space: float = 4.0, preemption_mode: str = "auto",
-                 long_prefill_token_threshold: int = 0, enable_expert_parallel: bool = False):
+                 long_prefill_token_threshold: int = 0, enable_expert_parallel: bool = False,
+                 decode_isolation_headroom: float = 0.0):
         """`quantization`: vLLM's flag name; "none", "int8", "int4" (-g32/-g64/-g128/-g256: inputs per
         scale), "gguf" (keep a GGUF file's blocks packed) or "fp8" (CUDA). Unset: a GGUF model stays
         packed where a packed kernel runs (the CPU), anything else is unquantized.
@@ -44,7 +45,8 @@ class LLM:
                               swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, preemption_mode=preemption_mode,
-                                      long_prefill_token_threshold=long_prefill_token_threshold))
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      decode_isolation_headroom=decode_isolation_headroom))
         self.engine = Engine.from_config(config)
         self._ids = itertools.count()
 

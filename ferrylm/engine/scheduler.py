@@ -14,6 +14,7 @@ from ferrylm.engine.block_manager import BlockManager
 from ferrylm.engine.host_pool import HostBlockPool
 from ferrylm.engine.preemption import PreemptionPolicy
 from ferrylm.engine.request import Request, RequestStatus
+from ferrylm.engine.step_cost import StepCostModel
 from ferrylm.outputs import FinishReason
 from ferrylm.request_limits import ContextLengthExceeded, check_context_window
 from ferrylm.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -91,6 +92,14 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.spec = SpecCounters()
+        self.step_cost = StepCostModel()
+        # this step's prompt tokens left per cache root (tenant), under --decode-isolation-headroom
+        self._allowance: dict[int, int] = {}
+        self._isolated_roots: set[int] = set()  # roots whose prompts are capped this step
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """The engine's measure of a step it ran (its scheduled tokens, the execute's seconds)."""
+        self.step_cost.observe(tokens, seconds)
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -119,6 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        self._isolate_decodes()
         budget, preempted = self._schedule_running(scheduled, budget)
         new_requests: list[NewRequestData] = []
         if not preempted:
@@ -136,7 +146,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget, req)
             if n <= 0:
                 i += 1
                 continue
@@ -155,11 +165,32 @@ class Scheduler:
             i += 1
         return budget, preempted
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """The tokens of a request this step: what remains, within the budget and the per-request
-        prefill cap (--long-prefill-token-threshold)."""
+    def _chunk(self, remaining: int, budget: int, req: Request | None = None) -> int:
+        """The tokens of a request this step: what remains, within the budget, the per-request
+        prefill cap (--long-prefill-token-threshold) and, for a prompt chunk of `req`, what its
+        tenant may still add beside other tenants' decodes (--decode-isolation-headroom)."""
         cap = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill else 0
-        return min(remaining, budget, cap) if cap else min(remaining, budget)
+        n = min(remaining, budget, cap) if cap else min(remaining, budget)
+        if req is not None and remaining > 1 and req.cache_root in self._isolated_roots:
+            n = min(n, self._allowance[req.cache_root])
+            self._allowance[req.cache_root] -= max(n, 0)
+        return n
+
+    def _isolate_decodes(self) -> None:
+        """This step's prompt-token allowance per tenant: a tenant whose prompts would share the step
+        with another tenant's decode rows gets what the headroom leaves (step_cost.py)."""
+        self._isolated_roots = set()
+        headroom = self.config.decode_isolation_headroom
+        if not headroom or not self.config.enable_chunked_prefill:
+            return
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding:
+            return
+        allowance = self.step_cost.prefill_allowance(headroom, len(decoding))
+        roots = {r.cache_root for r in decoding}
+        prompting = {r.cache_root for r in self.running + self.waiting}
+        self._isolated_roots = {root for root in prompting if roots - {root}}
+        self._allowance = dict.fromkeys(self._isolated_roots, allowance)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """The runner's proposal for a decoding request, cut so that accepting all of it (plus the
@@ -197,7 +228,10 @@ class Scheduler:
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
-            n = self._chunk(n, budget)
+            n = self._chunk(n, budget, req)
+            if n <= 0:  # its tenant's prompt allowance is spent this step: the next in line may go
+                i += 1
+                continue
             if not self.block_manager.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached,
                                                      req.cache_root):
                 break

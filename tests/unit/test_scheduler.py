@@ -255,3 +255,68 @@ def test_long_prefill_token_threshold_caps_each_requests_chunk():
     for _ in range(4):
         sizes.append({i.request_id: len(i.token_ids) for i in step(s).scheduled})
     assert sizes == [{"a": 1, "b": 8}, {"a": 1, "b": 8}, {"a": 1, "b": 8}, {"a": 1, "b": 6}]
+
+
+def _salted(rid, salt, n_prompt, max_tokens=40, t=0.0, first=1):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, cache_salt=salt)
+    return Request(rid, list(range(first, first + n_prompt)), params, max_tokens, t, 0, ())
+
+
+def _isolating(headroom: float) -> Scheduler:
+    s = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, decode_isolation_headroom=headroom),
+                  BlockManager(256, BS, True), 512)
+    for tokens, seconds in [(4, 0.017), (12, 0.034), (20, 0.051), (4, 0.017)]:  # 9 ms + 2 ms a token
+        s.observe_step(tokens, seconds)
+    return s
+
+
+def test_decode_isolation_caps_another_tenants_prompt_beside_decodes():
+    """--decode-isolation-headroom: tenant A's 4 requests decode; tenant B's 60-token prompt may add
+    only what 20% of the step buys (0.2 x 17 ms / 2 ms a token: 1 token) while A decodes, and goes at
+    full speed once A is done. A's own new prompt is not capped by A's decodes."""
+    s = _isolating(0.2)
+    for i in range(4):
+        s.add_request(_salted(f"a{i}", "tenant-a", 4, max_tokens=6, first=100 * i + 1))
+    step(s)
+    s.add_request(_salted("b", "tenant-b", 60, t=1.0, first=900))
+    s.add_request(_salted("a-new", "tenant-a", 30, t=2.0, first=700))
+    first = {i.request_id: len(i.token_ids) for i in step(s).scheduled}
+    assert first == {"a0": 1, "a1": 1, "a2": 1, "a3": 1, "b": 1, "a-new": 30}
+    sizes = []
+    for _ in range(6):
+        sizes.append({i.request_id: len(i.token_ids) for i in step(s).scheduled}.get("b"))
+    assert sizes[:4] == [1, 1, 1, 1]  # A (a0-a3 and a-new) still decoding
+    # the fitted line: 8.5 ms + 2.1 ms a token; 4 decode rows: 17 ms; 200% of it buys 16 tokens
+    assert s.step_cost.prefill_allowance(2.0, 4) == 16
+
+
+def test_decode_isolation_off_or_one_tenant_leaves_prompts_uncapped():
+    for headroom, salt_b in [(0.0, "tenant-b"), (0.2, "tenant-a")]:
+        s = _isolating(headroom)
+        for i in range(4):
+            s.add_request(_salted(f"a{i}", "tenant-a", 4, first=100 * i + 1))
+        step(s)
+        s.add_request(_salted("b", salt_b, 60, t=1.0, first=900))
+        assert {i.request_id: len(i.token_ids) for i in step(s).scheduled}["b"] == 60
+
+
+def test_decode_isolation_lets_a_tenant_run_free_once_the_others_stop_decoding():
+    s = _isolating(0.2)
+    s.add_request(_salted("a", "tenant-a", 4, max_tokens=3))
+    step(s)
+    s.add_request(_salted("b", "tenant-b", 60, t=1.0, first=900))
+    sizes = [{i.request_id: len(i.token_ids) for i in step(s).scheduled}.get("b") for _ in range(4)]
+    assert sizes[0] == 1 and sizes[-1] is not None and sum(x or 0 for x in sizes) > 10, sizes
+
+
+def test_step_cost_line_is_learned_from_steps():
+    from ferrylm.engine.step_cost import StepCostModel
+
+    model = StepCostModel()
+    assert model.line() is None and model.prefill_allowance(0.2, 4) == 1
+    model.observe(4, 0.02)
+    assert model.line() == (0.0, 0.005)  # one token count: all of it charged to the tokens
+    for tokens in (4, 8, 16, 32, 64):
+        model.observe(tokens, 0.010 + 0.001 * tokens)
+    fixed, per_token = model.line()
+    assert 0.005 < fixed < 0.015 and 0.0008 < per_token < 0.0012
