@@ -39,7 +39,7 @@ from ferrylm.gateway.rate_limit import (
     RateScope,
 )
 from ferrylm.gateway.store import Store
-from ferrylm.http.errors import APIError
+from ferrylm.http.errors import APIError, anthropic_key_as_bearer
 from ferrylm.load_report import LoadReport
 
 __all__ = ["Admission", "AdmissionConfig", "Gateway", "GatewayConfig", "JWTConfig"]
@@ -140,7 +140,9 @@ class Gateway:
     async def authenticate(self, request_headers: Mapping[str, str] | None) -> Principal:
         """Who is calling (AuthError 401 if auth is required and they cannot say). Servers call it
         before reading the body, so an unauthenticated caller learns nothing about validation."""
-        call = functools.partial(self._identify, _header(request_headers, "authorization"))
+        authorization = _header(request_headers, "authorization") or (
+            anthropic_key_as_bearer({"x-api-key": _header(request_headers, "x-api-key")}))
+        call = functools.partial(self._identify, authorization)
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     async def charge_request(self, principal: Principal, client_addr: str | None = None,

@@ -71,3 +71,9 @@ def parse_model(model_cls: type[M], body: object) -> M:
         return model_cls.model_validate(body)
     except pydantic.ValidationError as e:
         raise from_validation_error(e.errors(include_url=False)) from None
+
+
+def anthropic_key_as_bearer(headers) -> str | None:
+    """`Bearer <key>` from Anthropic's `x-api-key` header (its SDK sends no Authorization), or None."""
+    key = headers.get("x-api-key")
+    return f"Bearer {key}" if key else None

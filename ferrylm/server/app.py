@@ -22,10 +22,12 @@ from ferrylm.engine.client import EngineClient, EngineDeadError
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
 from ferrylm.gateway.ops_auth import require_credential
+from ferrylm.http import messages_protocol
 from ferrylm.http.body import read_json_body
 from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.http.error_handlers import install_error_handlers
 from ferrylm.http.errors import APIError, invalid, parse_model
+from ferrylm.http.messages_protocol import CountTokensRequest, MessagesRequest
 from ferrylm.http.middleware import RequestIdMiddleware, new_request_id
 from ferrylm.http.protocol import (
     ChatCompletionRequest,
@@ -46,7 +48,7 @@ from ferrylm.http.safe_json import SafeJSONResponse
 from ferrylm.observability.dashboard.routes import dashboard_router
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import gatekeeping, inputs, kv_routes, prompts, responses, serving, structured, tokenize
+from ferrylm.server import gatekeeping, inputs, kv_routes, messages, prompts, responses, serving, structured, tokenize
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.fanout import Fanout
@@ -207,6 +209,43 @@ async def create_response(request: Request) -> Response:
                         responses.responses_shaper(echo))
 
 
+async def create_message(request: Request) -> Response:
+    """POST /v1/messages (Anthropic's Messages API): run as a one-choice chat request."""
+    state = _state(request)
+    await gatekeeping.authenticate(request, state)
+    engine = state.admit()
+    body = parse_model(MessagesRequest, await read_json_body(request, state.config.max_body_bytes))
+    req = messages_protocol.as_chat_request(body)
+    request.state.request_id = request.state.request_id or messages.message_id()
+    ctx_id = _request_id(request, "msg")
+    model = state.resolve_model(req.model)
+    core = engine.model_info
+    try:
+        params, tool_plan, prompt = await _chat_inputs(request, engine, req, "messages")
+    except APIError as e:
+        raise messages_protocol.in_messages_terms(e) from None
+    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan)
+    return await _serve(request, state, engine, ctx, [prompt], params, req, messages.messages_stream,
+                        messages.messages_response)
+
+
+async def count_message_tokens(request: Request) -> JSONResponse:
+    """POST /v1/messages/count_tokens: the prompt tokens a Messages request would take (its system,
+    messages and tools through the served model's chat template)."""
+    state = _state(request)
+    await gatekeeping.authenticate(request, state)
+    engine = state.admit()
+    body = parse_model(CountTokensRequest, await read_json_body(request, state.config.max_body_bytes))
+    req = messages_protocol.count_tokens_chat_request(body)
+    gatekeeping.check_model_allowed(request, state.resolve_model(req.model))
+    try:
+        inputs.chat_params(req, engine.model_info.vocab_size)
+        prompt = await prompts.chat_prompt_ids(engine.model_info.tokenizer, req, engine.model_info.max_model_len)
+    except APIError as e:
+        raise messages_protocol.in_messages_terms(e) from None
+    return JSONResponse({"input_tokens": len(prompt)})
+
+
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     await gatekeeping.authenticate(request, state)  # 401 as on the other /v1 routes
@@ -361,6 +400,11 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     v1.add_api_route("/responses", create_response, methods=["POST"],
                      responses={200: {"content": {"text/event-stream": {}}}} | generation_errors,
                      openapi_extra=json_body_openapi(ResponsesRequest))
+    v1.add_api_route("/messages", create_message, methods=["POST"],
+                     responses={200: {"content": {"text/event-stream": {}}}} | generation_errors,
+                     openapi_extra=json_body_openapi(MessagesRequest))
+    v1.add_api_route("/messages/count_tokens", count_message_tokens, methods=["POST"],
+                     responses=error_responses(400, 403, 404), openapi_extra=json_body_openapi(CountTokensRequest))
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
     v1.add_api_route("/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard,
                      responses=error_responses(404))
