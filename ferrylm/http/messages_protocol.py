@@ -4,8 +4,10 @@ of the server runs (server/messages.py shapes the answer), and Anthropic's error
 Content blocks: `text` (also in `system`), `tool_use` in assistant turns (the calls the model made)
 and `tool_result` in user turns (their results, text only). `thinking` / `redacted_thinking` blocks of
 earlier assistant turns are dropped, as Anthropic drops them from the context. `cache_control` is
-accepted: prefix caching here is automatic. Images, documents, server tools, extended thinking and
-the other fields that would change the output and are not implemented are a 400 naming them.
+accepted: prefix caching here is automatic. `output_config.format` (a JSON schema) is structured
+output. `temperature`, `top_p` and `top_k` (older API versions; the SDK sends them as extra_body)
+and `seed` are honoured. Images, documents, server tools, extended thinking, `output_config.effort`
+and any field not known here are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ from ferrylm.http.protocol import (
     ToolCall,
 )
 
-# Fields that ask for something not implemented, with the values that ask for nothing.
+# Fields that ask for something not implemented, with the values that ask for nothing; any other
+# field the model does not declare is refused too, as Anthropic refuses unknown fields.
 UNSUPPORTED: dict[str, tuple] = {"thinking": ({"type": "disabled"},), "container": (), "mcp_servers": ([],),
-                                 "context_management": (), "service_tier": ("auto", "standard_only")}
+                                 "context_management": ()}
+# Accepted and without effect on what is generated: routing, caching and accounting hints.
+NO_EFFECT = ("cache_control", "inference_geo", "speed", "service_tier", "diagnostics", "user_profile_id",
+             "workspace_id")
 # chat fields (as errors name them) → the Messages fields they came from
 MESSAGES_PARAMS = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
-                   "tool_choice": "tool_choice", "tools": "tools"}
+                   "tool_choice": "tool_choice", "tools": "tools", "response_format": "output_config.format",
+                   "response_format.json_schema": "output_config.format"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -58,6 +65,18 @@ class MessagesMetadata(BaseModel):
     user_id: str | None = None
 
 
+class JsonOutputFormat(BaseModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: JsonOutputFormat | None = None
+    effort: None = None  # no reasoning model here: any effort level is refused by name
+
+
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # checked against UNSUPPORTED; the rest refused by name
 
@@ -73,6 +92,12 @@ class MessagesRequest(BaseModel):
     tools: list[MessagesTool] | None = None
     tool_choice: MessagesToolChoice | None = None
     metadata: MessagesMetadata | None = None
+    output_config: OutputConfig | None = None
+    # vLLM-style sampling extras: Anthropic's current API has none (older versions had the first three)
+    seed: int | None = None
+    # vLLM's, as on chat: the prefix-cache salt (the gateway sets it per tenant) and the queue priority
+    cache_salt: str | None = None
+    priority: int | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -182,9 +207,17 @@ def _tools(request: MessagesRequest | CountTokensRequest) -> tuple[list[ChatTool
 
 def _refuse_unsupported(extra: dict[str, Any]) -> None:
     for name, value in extra.items():
-        if name in UNSUPPORTED and (value is None or value in UNSUPPORTED[name]):
+        if name in NO_EFFECT or (name in UNSUPPORTED and (value is None or value in UNSUPPORTED[name])):
             continue
         raise invalid(f"{name}: this field is not supported by this server.", name, "unsupported_parameter")
+
+
+def _response_format(request: MessagesRequest) -> dict[str, Any] | None:
+    """output_config.format (Anthropic's structured outputs) as chat's json_schema response_format."""
+    fmt = request.output_config.format if request.output_config is not None else None
+    if fmt is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_, "strict": True}}
 
 
 def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
@@ -197,7 +230,9 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
         "max_completion_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
         "top_k": request.top_k, "stop": request.stop_sequences, "stream": request.stream,
         "user": request.metadata.user_id if request.metadata else None, "tools": tools, "tool_choice": choice,
-        "parallel_tool_calls": parallel, "include_stop_str_in_output": False})
+        "parallel_tool_calls": parallel, "include_stop_str_in_output": False, "seed": request.seed,
+        "response_format": _response_format(request), "priority": request.priority or 0}
+        | ({"cache_salt": request.cache_salt} if request.cache_salt is not None else {}))
 
 
 def count_tokens_chat_request(request: CountTokensRequest) -> ChatCompletionRequest:

@@ -20,10 +20,12 @@ from ferrylm.gateway.auth import check_model
 from ferrylm.gateway.cache_salt import effective_cache_salt
 from ferrylm.gateway.ops_auth import require_credential
 from ferrylm.gateway.reservation import reserved_tokens
+from ferrylm.http import messages_protocol
 from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.http.drain import DrainController
 from ferrylm.http.error_handlers import install_error_handlers
 from ferrylm.http.errors import APIError, parse_model
+from ferrylm.http.messages_protocol import MessagesRequest
 from ferrylm.http.middleware import RequestIdMiddleware, new_request_id
 from ferrylm.http.protocol import (
     ChatCompletionRequest,
@@ -225,13 +227,15 @@ class _Settlement:
                                  cached_tokens=cached if isinstance(cached, int) else 0)
 
 
-RequestModel = type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest]
+RequestModel = type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest] | type[MessagesRequest]
 
 
 def _parse_request(model_cls: RequestModel, body: dict) -> ChatCompletionRequest | CompletionRequest:
     """The request as the replica will run it: a Responses request counts, routes and is
     validated as the chat request it becomes there (its errors name the Responses fields)."""
     req = parse_model(model_cls, body)
+    if isinstance(req, MessagesRequest):
+        return messages_protocol.as_chat_request(req)
     return as_chat_request(req) if isinstance(req, ResponsesRequest) else req
 
 
@@ -259,7 +263,7 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
         charge = await gateway.charge_request(principal, client)
     body = await read_request_body(request, state.config.max_body_bytes)
     req = _parse_request(model_cls, body)
-    responses = model_cls is ResponsesRequest
+    responses = model_cls is ResponsesRequest or model_cls is MessagesRequest  # their streams always carry usage
     group = state.registry.resolve(req.model)
     if group is None:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
@@ -289,8 +293,8 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
             extra["X-FerryLM-Upstream"] = d.replica.url
         if req.stream and d.response.status_code == 200:
             wants_usage = responses or bool(req.stream_options and req.stream_options.include_usage)
-            relay = StreamRelay(d, wants_usage, settle,
-                                state.metrics, dispatcher.record_failure, state.drain.discard, observation)
+            relay = StreamRelay(d, wants_usage, settle, state.metrics, dispatcher.record_failure,
+                                state.drain.discard, observation, anthropic=model_cls is MessagesRequest)
             state.drain.add(relay)
             status = None  # the relay settles
             return SSEResponse(relay, headers=SSE_HEADERS | extra)
@@ -345,6 +349,11 @@ async def completions(request: Request) -> Response:
 async def create_response(request: Request) -> Response:
     """POST /v1/responses (stateless), proxied like chat: the replica answers in the Responses shape."""
     return await _proxy(request, ResponsesRequest, "/v1/responses", "resp")
+
+
+async def create_message(request: Request) -> Response:
+    """POST /v1/messages (Anthropic's Messages API), proxied like chat: the replica answers in its shape."""
+    return await _proxy(request, MessagesRequest, "/v1/messages", "msg")
 
 
 async def _utility(request: Request, model_cls: type[TokenizeRequest] | type[DetokenizeRequest],
@@ -453,6 +462,7 @@ def build_gateway_app(config: GatewayServerConfig, span_exporter: Any = None) ->
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
+    app.add_api_route("/v1/messages", create_message, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard)
     app.add_api_route("/v1/kv/{rest:path}", kv_refused, methods=["POST"], include_in_schema=False)

@@ -28,6 +28,8 @@ def _error_status(error: dict) -> int:
     """The status an in-band error stands for (the client already has the 200)."""
     if error.get("type") == "invalid_request_error":
         return 400
+    if error.get("type") == "overloaded_error":
+        return 503
     return 503 if error.get("code") == "engine_dead" else 500
 
 
@@ -46,7 +48,8 @@ class StreamRelay:
 
     def __init__(self, d: Dispatch, wants_usage: bool, settle: Settle, metrics: RouterMetrics,
                  on_failure: Callable[[Replica], None], on_done: Callable[["StreamRelay"], None] = lambda _: None,
-                 observation: GatewayObservation | None = None):
+                 observation: GatewayObservation | None = None, anthropic: bool = False):
+        self._anthropic = anthropic  # a Messages stream: its own error event, and no [DONE]
         self._d, self._wants_usage, self._settle_cb, self._on_done = d, wants_usage, settle, on_done
         self._observation = observation  # per-tenant TTFT / ITL, the gateway's span
         self._aborted = False
@@ -120,7 +123,8 @@ class StreamRelay:
 
     def _end_with_error(self, message: str, code: str, status: int) -> None:
         self._status = status
-        self._tail = [error_event(message, code), DONE]
+        self._tail = [error_event(message, code, anthropic=True)] if self._anthropic else [error_event(message, code),
+                                                                                            DONE]
         self._finished = True
 
     def _on_first_token(self, at: float) -> None:

@@ -14,11 +14,20 @@ DONE = b"data: [DONE]\n\n"
 # (with the whole response, usage included)
 RESPONSES_TOKEN_EVENTS = ("response.output_text.delta", "response.function_call_arguments.delta")
 RESPONSES_FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+# Anthropic's Messages stream: no [DONE]; message_stop ends it, message_delta carries the usage
+MESSAGES_TOKEN_DELTAS = ("text_delta", "input_json_delta")
 
 
 def usage_counts(usage: dict) -> dict:
     """prompt_tokens / completion_tokens / cached_tokens of a usage object, from the Responses API's
-    input_tokens / output_tokens (and input_tokens_details) where that is what it has."""
+    input_tokens / output_tokens (and input_tokens_details) where that is what it has, or from the
+    Messages API's (input_tokens counts only what was not read from the cache there)."""
+    if "cache_read_input_tokens" in usage:
+        cached = usage.get("cache_read_input_tokens")
+        cached = cached if isinstance(cached, int) else 0
+        fresh = usage.get("input_tokens")
+        return {"prompt_tokens": fresh + cached if isinstance(fresh, int) else None,
+                "completion_tokens": usage.get("output_tokens", 0), "cached_tokens": cached}
     chat = "prompt_tokens" in usage or "input_tokens" not in usage
     details = usage.get("prompt_tokens_details" if chat else "input_tokens_details")
     cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
@@ -39,6 +48,10 @@ class Event(NamedTuple):
             return 0
         if self.data.get("type") in RESPONSES_TOKEN_EVENTS:
             return 1 if self.data.get("delta") else 0
+        if self.data.get("type") == "content_block_delta":
+            delta = self.data.get("delta") or {}
+            return 1 if delta.get("type") in MESSAGES_TOKEN_DELTAS and (delta.get("text") or
+                                                                        delta.get("partial_json")) else 0
         n = 0
         for choice in self.data.get("choices") or ():
             delta = choice.get("delta") or {}
@@ -54,6 +67,9 @@ class Event(NamedTuple):
         if data and data.get("type") in RESPONSES_FINAL_EVENTS:
             usage = (data.get("response") or {}).get("usage")
             return usage_counts(usage) if isinstance(usage, dict) else None
+        if data and data.get("type") == "message_delta":
+            usage = data.get("usage")
+            return usage_counts(usage) if isinstance(usage, dict) and "cache_read_input_tokens" in usage else None
         if data and not data.get("choices") and isinstance(data.get("usage"), dict):
             return usage_counts(data["usage"])
         return None
@@ -65,8 +81,8 @@ class Event(NamedTuple):
     @property
     def finished(self) -> bool:
         data = self.data or {}
-        return data.get("type") in RESPONSES_FINAL_EVENTS or any(c.get("finish_reason")
-                                                                 for c in data.get("choices") or ())
+        return data.get("type") in RESPONSES_FINAL_EVENTS or data.get("type") == "message_delta" or any(
+            c.get("finish_reason") for c in data.get("choices") or ())
 
 
 def _parse(lines: list[str]) -> Event:
@@ -78,7 +94,8 @@ def _parse(lines: list[str]) -> Event:
         data = json.loads(payload) if payload else None
     except json.JSONDecodeError:
         data = None
-    return Event(raw, data if isinstance(data, dict) else None, False)
+    data = data if isinstance(data, dict) else None
+    return Event(raw, data, data is not None and data.get("type") == "message_stop")
 
 
 async def events(response: httpx.Response) -> AsyncIterator[Event]:
@@ -94,7 +111,12 @@ async def events(response: httpx.Response) -> AsyncIterator[Event]:
         yield _parse(lines)
 
 
-def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
-    """An in-band error (the status line is already sent), as the replica itself would send it."""
+def error_event(message: str, code: str, type_: str = "server_error", anthropic: bool = False) -> bytes:
+    """An in-band error (the status line is already sent), as the replica itself would send it
+    (Anthropic's `error` event on a Messages stream)."""
+    if anthropic:
+        kind = "overloaded_error" if code in ("draining", "engine_dead") else "api_error"
+        body = {"type": "error", "error": {"type": kind, "message": message}}
+        return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return f"data: {json.dumps(body)}\n\n".encode()

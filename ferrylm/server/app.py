@@ -366,9 +366,15 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
-def error_responses(*statuses: int) -> dict:
-    """`responses` documenting OpenAI-style error answers with these statuses."""
-    content = {"application/json": {"schema": _ERROR_SCHEMA}}
+_ANTHROPIC_ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+
+
+def error_responses(*statuses: int, anthropic: bool = False) -> dict:
+    """`responses` documenting OpenAI-style error answers with these statuses (Anthropic's shape,
+    for the Messages API's routes, with `anthropic`)."""
+    content = {"application/json": {"schema": _ANTHROPIC_ERROR_SCHEMA if anthropic else _ERROR_SCHEMA}}
     return {status: {"description": HTTPStatus(status).phrase, "content": content} for status in statuses}
 
 
@@ -401,10 +407,12 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
                      responses={200: {"content": {"text/event-stream": {}}}} | generation_errors,
                      openapi_extra=json_body_openapi(ResponsesRequest))
     v1.add_api_route("/messages", create_message, methods=["POST"],
-                     responses={200: {"content": {"text/event-stream": {}}}} | generation_errors,
+                     responses={200: {"content": {"text/event-stream": {}}}}
+                     | error_responses(400, 401, 403, 404, 413, 429, 503, anthropic=True),
                      openapi_extra=json_body_openapi(MessagesRequest))
     v1.add_api_route("/messages/count_tokens", count_message_tokens, methods=["POST"],
-                     responses=error_responses(400, 403, 404), openapi_extra=json_body_openapi(CountTokensRequest))
+                     responses=error_responses(400, 401, 403, 404, 413, 503, anthropic=True),
+                     openapi_extra=json_body_openapi(CountTokensRequest))
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
     v1.add_api_route("/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard,
                      responses=error_responses(404))

@@ -141,5 +141,5 @@ async def _events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, N
     stop_reason, stop_sequence = _stop(final, bool(calls))
     log_finished(ctx, fanout, fanout.finals(), stream=True)
     yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                 usage={"output_tokens": _usage(fanout)["output_tokens"]})
+                 usage=_usage(fanout))  # cumulative, input tokens too (as Anthropic's message_delta now has)
     yield _event("message_stop")
