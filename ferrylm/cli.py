@@ -123,6 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
+    from ferrylm.server.reasoning import REASONING_PARSERS
+
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -134,6 +136,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="most prompts x n one API request may ask for (each is an engine request); more get 400")
     p.add_argument("--max-stream-backlog", type=int, default=4096,
                    help="outputs a stream may have waiting for a slow reader; past it the request is aborted")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="split a reasoning model's <think>...</think> from its answer: chat's message.reasoning "
+                        "(and reasoning_content), Responses' reasoning item, Messages' thinking block")
     p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None,
                    help="disaggregated prefill/decode: serve POST /v1/kv/export (prefill), /v1/kv/import (decode) "
                         "or both; KV blocks move by block hash into the decode replica's prefix cache")
@@ -284,7 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         connections=connection_limits_from_args(args), kv_role=args.kv_role,
         kv_transfer_key=args.kv_transfer_key,
         max_kv_transfer_bytes=args.max_kv_transfer_bytes, tracing=tracing, tenant_metrics=tenant_metrics,
-        tensor_parallel_size=engine_config.tensor_parallel_size)
+        tensor_parallel_size=engine_config.tensor_parallel_size, reasoning_parser=args.reasoning_parser)
     return run_server(config, lambda: Engine.from_config(engine_config))
 
 

@@ -98,6 +98,7 @@ class MessagesRequest(BaseModel):
     # vLLM's, as on chat: the prefix-cache salt (the gateway sets it per tenant) and the queue priority
     cache_salt: str | None = None
     priority: int | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's (json, regex, choice, grammar), as on chat
 
 
 class CountTokensRequest(BaseModel):
@@ -231,7 +232,8 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
         "top_k": request.top_k, "stop": request.stop_sequences, "stream": request.stream,
         "user": request.metadata.user_id if request.metadata else None, "tools": tools, "tool_choice": choice,
         "parallel_tool_calls": parallel, "include_stop_str_in_output": False, "seed": request.seed,
-        "response_format": _response_format(request), "priority": request.priority or 0}
+        "response_format": _response_format(request), "priority": request.priority or 0,
+        "structured_outputs": request.structured_outputs}
         | ({"cache_salt": request.cache_salt} if request.cache_salt is not None else {}))
 
 

@@ -63,6 +63,9 @@ def _message_dict(m: ChatMessage) -> dict:
         message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
+    thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if thinking is not None:  # the name reasoning models' chat templates read (Qwen3, DeepSeek-R1)
+        message["reasoning_content"] = thinking
     return message
 
 

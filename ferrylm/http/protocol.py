@@ -121,6 +121,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # an earlier turn's thinking sent back (vLLM's current name, or the older one): kept in the prompt
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -154,11 +157,21 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # --reasoning-parser: output tokens of the thinking
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with --reasoning-parser (else left out)
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_details(self, handler: Any) -> dict:
+        out = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k != "completion_tokens_details"}
 
 
 class TopLogprob(BaseModel):
@@ -194,6 +207,14 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # --reasoning-parser: the thinking, under vLLM's current name and its older one (left out when None)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_reasoning(self, handler: Any) -> dict:
+        out = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k not in ("reasoning", "reasoning_content")}
 
 
 class DeltaMessage(BaseModel):
@@ -202,6 +223,8 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas (index, id, type, function)
+    reasoning: str | None = None  # --reasoning-parser: thinking deltas (and under the older name)
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict:

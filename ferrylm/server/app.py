@@ -54,6 +54,7 @@ from ferrylm.server.config import ServerConfig
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
+from ferrylm.server.reasoning import parser_for
 from ferrylm.server.request_trace import RequestTrace, TracedStream
 from ferrylm.server.serving import ResponseContext
 from ferrylm.server.state import ServerState
@@ -160,7 +161,7 @@ async def chat_completions(request: Request) -> Response:
     params, tool_plan, prompt = await _chat_inputs(request, engine, req, "messages")
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage), tools=tool_plan,
-                          timings=bool(req.timings))
+                          timings=bool(req.timings), reasoning=parser_for(state.config.reasoning_parser))
     return await _serve(request, state, engine, ctx, [prompt], params, req, serving.stream_chat,
                         serving.chat_response)
 
@@ -203,7 +204,8 @@ async def create_response(request: Request) -> Response:
         params, tool_plan, prompt = await _chat_inputs(request, engine, req, "input")
     except APIError as e:  # name the Responses field, not the chat one it became
         raise in_responses_terms(e) from None
-    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan)
+    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan,
+                          reasoning=parser_for(state.config.reasoning_parser))
     echo = responses.echo_fields(body)
     return await _serve(request, state, engine, ctx, [prompt], params, req, responses.responses_streamer(echo),
                         responses.responses_shaper(echo))
@@ -224,7 +226,8 @@ async def create_message(request: Request) -> Response:
         params, tool_plan, prompt = await _chat_inputs(request, engine, req, "messages")
     except APIError as e:
         raise messages_protocol.in_messages_terms(e) from None
-    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan)
+    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan,
+                          reasoning=parser_for(state.config.reasoning_parser))
     return await _serve(request, state, engine, ctx, [prompt], params, req, messages.messages_stream,
                         messages.messages_response)
 

@@ -10,6 +10,7 @@ from ferrylm.gateway.ops_auth import check_credential_sources
 from ferrylm.http.config import ConnectionLimits
 from ferrylm.observability.tenant_metrics import TenantMetricsConfig
 from ferrylm.observability.tracing import TracingConfig
+from ferrylm.server.reasoning import REASONING_PARSERS
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ServerConfig:
     tracing: TracingConfig | None = None  # --otlp-traces-endpoint: OpenTelemetry spans over OTLP (None: off)
     tenant_metrics: TenantMetricsConfig = TenantMetricsConfig()  # which tenants get their own latency series
     tensor_parallel_size: int = 1  # devices the engine uses: tokens_per_second_per_device divides by it
+    reasoning_parser: str | None = None  # --reasoning-parser (vLLM's): deepseek_r1 | qwen3 (server/reasoning.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -44,6 +46,9 @@ class ServerConfig:
         check_credential_sources(self.metrics_require_auth, self.api_key, self.gateway is not None)
         if min(self.max_sequences_per_request, self.max_stream_backlog) < 1:
             raise ConfigError("max_sequences_per_request and max_stream_backlog must be at least 1")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r} is not supported; choose one of "
+                              f"{', '.join(REASONING_PARSERS)}")
         if self.kv_role not in (None, "prefill", "decode", "both"):
             raise ConfigError(f"--kv-role must be prefill, decode or both, not {self.kv_role!r}")
         if self.kv_role is not None and not self.kv_transfer_key:

@@ -4,6 +4,9 @@ event stream: message_start, ping, per content block content_block_start / _delt
 text_delta, a tool call's input as input_json_delta), message_delta (stop_reason, output usage),
 message_stop. A failure after the status line is an in-band `error` event, as Anthropic sends it.
 
+With --reasoning-parser the thinking comes first as a `thinking` block (thinking_delta events; the
+signature is empty: nothing here signs it).
+
 stop_reason: end_turn (EOS or a stop token), stop_sequence (with the matched `stop_sequence`),
 max_tokens, tool_use (the answer holds tool_use blocks).
 """
@@ -22,6 +25,7 @@ from ferrylm.http.messages_protocol import anthropic_error_body
 from ferrylm.http.protocol import ToolCall
 from ferrylm.outputs import FinishReason, RequestOutput
 from ferrylm.server.fanout import Fanout
+from ferrylm.server.reasoning import ReasoningStream
 from ferrylm.server.serving import ResponseContext, log_finished, usage
 from ferrylm.server.tools import ToolStream
 
@@ -70,9 +74,11 @@ def _message(ctx: ResponseContext, content: list[dict], stop: tuple[str | None, 
 def messages_response(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput]) -> dict[str, Any]:
     """The non-streamed answer (app._serve's `shaper`)."""
     out = finals[0]
-    text = out.outputs[0].text
-    content_text, calls = ctx.tools.parse(text) if ctx.tools is not None else (text, [])
-    content = [{"type": "text", "text": content_text}] if content_text or not calls else []
+    thinking, text = ctx.reasoning.split(out.outputs[0].text) if ctx.reasoning is not None \
+        else (None, out.outputs[0].text)
+    content_text, calls = ctx.tools.parse(text or "") if ctx.tools is not None else (text or "", [])
+    content = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking is not None else []
+    content += [{"type": "text", "text": content_text}] if content_text or not (calls or content) else []
     content += [_tool_use(call) for call in calls]
     log_finished(ctx, fanout, finals, stream=False)
     return _message(ctx, content, _stop(out, bool(calls)), _usage(fanout))
@@ -108,29 +114,46 @@ async def _events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, N
     yield _event("message_start", message=_message(ctx, [], (None, None), start))
     yield _event("ping")
     tool = ToolStream(ctx.tools) if ctx.tools is not None else None
+    thinking = ReasoningStream(ctx.reasoning) if ctx.reasoning is not None else None
     final: RequestOutput | None = None
     opened = False
+    index = 0  # the text block's index: 1 after a thinking block
+    thinking_open = False
     async for _, out in fanout:
         delta = out.outputs[0].text_delta
-        text = tool.feed(delta) if tool is not None else delta
+        reasoning, answer = thinking.feed(delta) if thinking is not None else ("", delta)
+        if out.finished and thinking is not None:
+            more_reasoning, more_answer = thinking.finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        if reasoning:
+            if not thinking_open:
+                yield _event("content_block_start", index=0,
+                             content_block={"type": "thinking", "thinking": "", "signature": ""})
+                thinking_open, index = True, 1
+            yield _event("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": reasoning})
+        text = tool.feed(answer) if tool is not None else answer
         if text:
+            if thinking_open:
+                yield _event("content_block_stop", index=0)
+                thinking_open = False
             if not opened:
-                yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                 opened = True
-            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+            yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
         if out.finished:
             final = out
+    if thinking_open:
+        yield _event("content_block_stop", index=0)
     rest, calls = tool.finish() if tool is not None else ("", [])
-    if rest or (not opened and not calls):
+    if rest or (not opened and not calls and index == 0):
         if not opened:
-            yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
             opened = True
         if rest:
-            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": rest})
-    index = 0
+            yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": rest})
     if opened:
-        yield _event("content_block_stop", index=0)
-        index = 1
+        yield _event("content_block_stop", index=index)
+        index += 1
     for call in calls:
         block = _tool_use(call)
         yield _event("content_block_start", index=index, content_block=block | {"input": {}})

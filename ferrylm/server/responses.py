@@ -21,7 +21,8 @@ from ferrylm.http.protocol import ToolCall
 from ferrylm.http.responses_protocol import ResponsesRequest
 from ferrylm.outputs import FinishReason, RequestOutput
 from ferrylm.server.fanout import Fanout
-from ferrylm.server.serving import ResponseContext, guarded, log_finished, usage
+from ferrylm.server.reasoning import ReasoningStream
+from ferrylm.server.serving import ResponseContext, chat_usage, guarded, log_finished
 from ferrylm.server.tools import ToolStream
 
 
@@ -56,6 +57,11 @@ def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": f"fc_{_hex()}", "call_id": call.id, "name": call.function.name,
             "arguments": call.function.arguments, "status": status}
@@ -76,10 +82,11 @@ def _response(ctx: ResponseContext, echo: dict, status: str, output: list[dict],
                             "status": status, "incomplete_details": details, "error": None, "output": output,
                             **echo, "usage": None}
     if fanout is not None:
-        u = usage(fanout, fanout.finals())
+        u = chat_usage(ctx, fanout, fanout.finals())
+        thought = u.completion_tokens_details.reasoning_tokens if u.completion_tokens_details is not None else 0
         cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
         body["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-                         "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                         "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
                          "total_tokens": u.total_tokens}
     return body
 
@@ -89,10 +96,13 @@ def responses_shaper(echo: dict):
 
     def shape(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput]) -> ResponseObject:
         out = finals[0]
-        text = out.outputs[0].text
-        content, calls = ctx.tools.parse(text) if ctx.tools is not None else (text, [])
+        thinking, text = ctx.reasoning.split(out.outputs[0].text) if ctx.reasoning is not None \
+            else (None, out.outputs[0].text)
+        content, calls = ctx.tools.parse(text or "") if ctx.tools is not None else (text, [])
         status, details = _status(out)
-        output = [_message(f"msg_{_hex()}", content or "", "completed")] if content or not calls else []
+        output = [_reasoning_item(f"rs_{_hex()}", thinking, "completed")] if thinking is not None else []
+        output += [_message(f"msg_{_hex()}", content or "", "completed")] if content or not (calls or output) \
+            else []
         output += [_call_item(call) for call in calls]
         log_finished(ctx, fanout, finals, stream=False)
         return ResponseObject(**_response(ctx, echo, status, output, fanout, details))
@@ -119,45 +129,72 @@ async def _events(ctx: ResponseContext, fanout: Fanout, echo: dict) -> AsyncGene
     yield event("response.in_progress", response=_response(ctx, echo, "in_progress", []))
     msg_id, streamed, opened = f"msg_{_hex()}", "", False
     tool = ToolStream(ctx.tools) if ctx.tools is not None else None
+    thinking = ReasoningStream(ctx.reasoning) if ctx.reasoning is not None else None
+    rs_id, thought, rs_open = f"rs_{_hex()}", "", False
     final: RequestOutput | None = None
+    output: list[dict] = []  # the items done so far
+    msg_index = 0  # the message's output_index: 1 after a reasoning item
 
     def open_message() -> list[str]:
-        return [event("response.output_item.added", output_index=0, item=_message(msg_id, "", "in_progress")
-                      | {"content": []}),
-                event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
+        return [event("response.output_item.added", output_index=msg_index,
+                      item=_message(msg_id, "", "in_progress") | {"content": []}),
+                event("response.content_part.added", item_id=msg_id, output_index=msg_index, content_index=0,
                       part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def close_reasoning() -> list[str]:
+        item = _reasoning_item(rs_id, thought, "completed")
+        output.append(item)
+        return [event("response.reasoning_text.done", item_id=rs_id, output_index=0, content_index=0, text=thought),
+                event("response.output_item.done", output_index=0, item=item)]
 
     async for _, out in fanout:
         delta = out.outputs[0].text_delta
-        text = tool.feed(delta) if tool is not None else delta
+        reasoning, answer = thinking.feed(delta) if thinking is not None else ("", delta)
+        if out.finished and thinking is not None:
+            more_reasoning, more_answer = thinking.finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        if reasoning:
+            if not rs_open:
+                yield event("response.output_item.added", output_index=0,
+                            item=_reasoning_item(rs_id, "", "in_progress") | {"content": []})
+                rs_open, msg_index = True, 1
+            thought += reasoning
+            yield event("response.reasoning_text.delta", item_id=rs_id, output_index=0, content_index=0,
+                        delta=reasoning)
+        text = tool.feed(answer) if tool is not None else answer
         if text:
+            if rs_open and not output:
+                for e in close_reasoning():
+                    yield e
             if not opened:
                 for e in open_message():
                     yield e
                 opened = True
             streamed += text
-            yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=text,
-                        logprobs=[])
+            yield event("response.output_text.delta", item_id=msg_id, output_index=msg_index, content_index=0,
+                        delta=text, logprobs=[])
         if out.finished:
             final = out
+    if rs_open and not output:
+        for e in close_reasoning():
+            yield e
     rest, calls = tool.finish() if tool is not None else ("", [])
-    if rest or (not opened and not calls):
+    if rest or (not opened and not calls and not output):
         if not opened:
             for e in open_message():
                 yield e
             opened = True
         if rest:
             streamed += rest
-            yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=rest,
-                        logprobs=[])
-    output: list[dict] = []
+            yield event("response.output_text.delta", item_id=msg_id, output_index=msg_index, content_index=0,
+                        delta=rest, logprobs=[])
     if opened:
         message = _message(msg_id, streamed, "completed")
-        yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=streamed,
-                    logprobs=[])
-        yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0,
+        yield event("response.output_text.done", item_id=msg_id, output_index=msg_index, content_index=0,
+                    text=streamed, logprobs=[])
+        yield event("response.content_part.done", item_id=msg_id, output_index=msg_index, content_index=0,
                     part=message["content"][0])
-        yield event("response.output_item.done", output_index=0, item=message)
+        yield event("response.output_item.done", output_index=msg_index, item=message)
         output.append(message)
     for call in calls:
         item, index = _call_item(call), len(output)

@@ -26,6 +26,7 @@ from ferrylm.http.protocol import (
     ChatStreamChoice,
     CompletionChoice,
     CompletionResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     FinishReasonStr,
     PromptTokensDetails,
@@ -35,6 +36,7 @@ from ferrylm.observability.request_timeline import RequestTimeline
 from ferrylm.outputs import FinishReason, RequestOutput, Usage
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.logprobs import chat_logprobs, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
+from ferrylm.server.reasoning import ReasoningParser, ReasoningStream
 from ferrylm.server.tools import ToolPlan, ToolStream, call_deltas
 from ferrylm.tokenizer import Tokenizer
 
@@ -55,6 +57,7 @@ class ResponseContext:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs on /v1/completions: alternatives per token
     tools: ToolPlan | None = None  # chat with tool calling: the output is parsed into tool_calls
     timings: bool = False  # the request's `"timings": true`: llama.cpp's timings object at the end
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: thinking split from the answer
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.monotonic)
 
@@ -120,12 +123,29 @@ def chat_response(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutp
         lp = None
         if ctx.top_logprobs is not None and c.logprobs is not None:
             lp = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, ctx.top_logprobs)
-        content, calls = ctx.tools.parse(c.text) if ctx.tools is not None else (c.text, [])
-        choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
-                                  logprobs=lp, finish_reason=_tool_reason(out, calls)))
+        thinking, answer = ctx.reasoning.split(c.text) if ctx.reasoning is not None else (None, c.text)
+        content, calls = ctx.tools.parse(answer or "") if ctx.tools is not None else (answer, [])
+        choices.append(ChatChoice(index=i, message=AssistantMessage(
+            content=content, tool_calls=calls or None, reasoning=thinking, reasoning_content=thinking),
+            logprobs=lp, finish_reason=_tool_reason(out, calls)))
     log_finished(ctx, fanout, finals, stream=False)
     return ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
-                                  usage=usage(fanout, finals), timings=timings(ctx, finals))
+                                  usage=chat_usage(ctx, fanout, finals), timings=timings(ctx, finals))
+
+
+def chat_usage(ctx: ResponseContext, fanout: Fanout, finals: list[RequestOutput]) -> UsageInfo:
+    """usage, with completion_tokens_details.reasoning_tokens under --reasoning-parser (the thinking's
+    tokens, counted by encoding its text and its tags)."""
+    u = usage(fanout, finals)
+    if ctx.reasoning is not None:
+        tags = ctx.reasoning.start + ctx.reasoning.end
+        counted = 0
+        for out in finals:
+            thinking, _ = ctx.reasoning.split(out.outputs[0].text)
+            if thinking is not None:
+                counted += min(len(out.outputs[0].token_ids), len(ctx.tokenizer.encode(thinking + tags, False)))
+        u.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=counted)
+    return u
 
 
 def _tool_reason(out: RequestOutput, calls: list) -> FinishReasonStr | None:
@@ -138,10 +158,18 @@ def _chat_chunk(ctx: ResponseContext, choice: ChatStreamChoice) -> str:
     return sse(ChatCompletionChunk(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]))
 
 
-def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput, tool: ToolStream | None) -> list[str]:
+def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput, tool: ToolStream | None,
+                 thinking: ReasoningStream | None) -> list[str]:
     c = out.outputs[0]
     events = []
-    text = tool.feed(c.text_delta) if tool is not None else c.text_delta
+    reasoning, answer = thinking.feed(c.text_delta) if thinking is not None else ("", c.text_delta)
+    if out.finished and thinking is not None:
+        more_reasoning, more_answer = thinking.finish()
+        reasoning, answer = reasoning + more_reasoning, answer + more_answer
+    if reasoning:
+        events.append(_chat_chunk(ctx, ChatStreamChoice(index=index, delta=DeltaMessage(
+            reasoning=reasoning, reasoning_content=reasoning))))
+    text = tool.feed(answer) if tool is not None else answer
     if text or (ctx.top_logprobs is not None and c.token_ids_delta):
         lp = None
         if ctx.top_logprobs is not None:
@@ -169,19 +197,24 @@ async def _chat_events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[s
     for i in range(fanout.num_choices):
         yield _chat_chunk(ctx, ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     tools = {i: ToolStream(ctx.tools) for i in range(fanout.num_choices)} if ctx.tools is not None else {}
+    thinking = {i: ReasoningStream(ctx.reasoning) for i in range(fanout.num_choices)} \
+        if ctx.reasoning is not None else {}
     async for index, out in fanout:
-        for event in _chat_deltas(ctx, index, out, tools.get(index)):
+        for event in _chat_deltas(ctx, index, out, tools.get(index), thinking.get(index)):
             yield event
     for event in _closing_events(ctx, fanout, lambda u: ChatCompletionChunk(
-            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=u)):
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=u),
+            lambda finals: chat_usage(ctx, fanout, finals)):
         yield event
 
 
-def _closing_events(ctx: ResponseContext, fanout: Fanout, usage_chunk: Callable) -> list[str]:
+def _closing_events(ctx: ResponseContext, fanout: Fanout, usage_chunk: Callable,
+                    usage_of: Callable | None = None) -> list[str]:
     """After every choice finished: the usage chunk when asked for (carrying `timings` when asked
     for too; alone, they come in a chunk of their own), and the request's log line."""
     finals = fanout.finals()
-    closing = usage_chunk(usage(fanout, finals) if ctx.include_usage else None)
+    counted = usage_of(finals) if usage_of is not None else usage(fanout, finals)
+    closing = usage_chunk(counted if ctx.include_usage else None)
     closing.timings = timings(ctx, finals)
     events = [sse(closing)] if ctx.include_usage or closing.timings is not None else []
     log_finished(ctx, fanout, finals, stream=True)

@@ -1,0 +1,92 @@
+"""--reasoning-parser (vLLM's flag): the thinking a reasoning model writes between `<think>` and
+`</think>` is split from its answer. Chat returns it as `message.reasoning` (and `reasoning_content`,
+the older name), streamed as deltas of the same fields; Responses as a `reasoning` item; Messages
+as a `thinking` block. Tool calls are parsed from the answer only.
+
+Parsers: `deepseek_r1` (R1 and its distills: their chat template opens the thinking, so the output
+may start inside it: everything before `</think>` is thinking, all of it while `</think>` has not
+come) and `qwen3` (thinking only when the output opens with `<think>`; without a closing tag, an
+output that opened one is all thinking)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+
+    @property
+    def opens_implicitly(self) -> bool:
+        return self.name == "deepseek_r1"
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole output; None where there is none."""
+        opened = text.startswith(self.start)
+        if not opened and not self.opens_implicitly:
+            return None, text
+        body = text[len(self.start):] if opened else text
+        cut = body.find(self.end)
+        if cut < 0:
+            return body, None
+        return body[:cut], body[cut + len(self.end):] or None
+
+
+def parser_for(name: str | None) -> ReasoningParser | None:
+    if name is None:
+        return None
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {name!r} is not supported; choose one of {', '.join(REASONING_PARSERS)}")
+    return ReasoningParser(name)
+
+
+class ReasoningStream:
+    """One streamed output: `feed(delta)` → (reasoning delta, content delta) that may go out now.
+    A suffix that could be the start of a tag is held back until the next delta tells."""
+
+    def __init__(self, parser: ReasoningParser):
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of `text` already given out (as reasoning or content)
+        self.state = "start"  # start (the opening tag may still come) | reasoning | content
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self.text += delta
+        reasoning, content = "", ""
+        if self.state == "start":
+            p = self.parser
+            if len(self.text) < len(p.start) and p.start.startswith(self.text):
+                return "", ""  # could still be the opening tag
+            if self.text.startswith(p.start):
+                self.state, self.sent = "reasoning", len(p.start)
+            else:
+                self.state = "reasoning" if p.opens_implicitly else "content"
+        if self.state == "reasoning":
+            cut = self.text.find(self.parser.end, self.sent)
+            if cut < 0:
+                safe = self._safe_end(self.parser.end)
+                reasoning, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+                return reasoning, ""
+            reasoning = self.text[self.sent:cut]
+            self.state, self.sent = "content", cut + len(self.parser.end)
+        content, self.sent = self.text[self.sent:], len(self.text)
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, at the end of the output."""
+        rest, self.sent = self.text[self.sent:], len(self.text)
+        if self.state == "start":
+            return ("", rest) if not self.parser.opens_implicitly else (rest, "")
+        return (rest, "") if self.state == "reasoning" else ("", rest)
+
+    def _safe_end(self, tag: str) -> int:
+        """How far `text` may go out: up to a suffix that could begin `tag`."""
+        for k in range(min(len(tag) - 1, len(self.text) - self.sent), 0, -1):
+            if tag.startswith(self.text[-k:]):
+                return len(self.text) - k
+        return len(self.text)
