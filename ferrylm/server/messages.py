@@ -77,8 +77,9 @@ def messages_response(ctx: ResponseContext, fanout: Fanout, finals: list[Request
     thinking, text = ctx.reasoning.split(out.outputs[0].text) if ctx.reasoning is not None \
         else (None, out.outputs[0].text)
     content_text, calls = ctx.tools.parse(text or "") if ctx.tools is not None else (text or "", [])
-    content = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking is not None else []
-    content += [{"type": "text", "text": content_text}] if content_text or not (calls or content) else []
+    content: list[dict[str, Any]] = [{"type": "thinking", "thinking": thinking, "signature": ""}] \
+        if thinking is not None else []
+    content += [{"type": "text", "text": content_text or ""}] if content_text or not (calls or content) else []
     content += [_tool_use(call) for call in calls]
     log_finished(ctx, fanout, finals, stream=False)
     return _message(ctx, content, _stop(out, bool(calls)), _usage(fanout))
