@@ -122,6 +122,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def pooler_from_args(args: argparse.Namespace) -> dict:
+    """ServerConfig's runner fields from --runner and --pooler-config (vLLM's JSON; pooling types in
+    its upper case or ours)."""
+    import json
+
+    from ferrylm.config import ConfigError
+
+    pooler = {}
+    if args.pooler_config:
+        try:
+            pooler = json.loads(args.pooler_config)
+            assert isinstance(pooler, dict)
+        except (ValueError, AssertionError):
+            raise ConfigError("--pooler-config must be a JSON object, e.g. '{\"pooling_type\": \"MEAN\"}'") from None
+        unknown = set(pooler) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ConfigError(f"--pooler-config: {', '.join(sorted(unknown))} not supported (pooling_type, normalize)")
+    return {"runner": "pooling" if args.runner == "pooling" else "generate",
+            "pooling_type": str(pooler.get("pooling_type", "last")).lower(),
+            "pooling_normalize": bool(pooler.get("normalize", True))}
+
+
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     from ferrylm.server.reasoning import REASONING_PARSERS
 
@@ -139,6 +161,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split a reasoning model's <think>...</think> from its answer: chat's message.reasoning "
                         "(and reasoning_content), Responses' reasoning item, Messages' thinking block")
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                   help="pooling: serve POST /v1/embeddings (the prompt's hidden states pooled) instead of "
+                        "generation (auto: generate)")
+    p.add_argument("--pooler-config", default=None,
+                   help='--runner pooling: JSON, e.g. {"pooling_type": "MEAN", "normalize": true} (default: LAST, '
+                        "normalized)")
     p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None,
                    help="disaggregated prefill/decode: serve POST /v1/kv/export (prefill), /v1/kv/import (decode) "
                         "or both; KV blocks move by block hash into the decode replica's prefix cache")
@@ -279,17 +307,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ConfigError as e:
             print(f"ferrylm serve: {e}", file=sys.stderr)
             return 2
-    config = ServerConfig(
-        served_model_names=tuple(args.served_model_name or [args.model]), host=args.host, port=args.port,
-        api_key=args.api_key, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
-        max_sequences_per_request=args.max_sequences_per_request, max_stream_backlog=args.max_stream_backlog,
-        ready_timeout_s=args.ready_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-        test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
-        gateway=gateway_config_from_args(args), metrics_require_auth=args.metrics_require_auth,
-        connections=connection_limits_from_args(args), kv_role=args.kv_role,
-        kv_transfer_key=args.kv_transfer_key,
-        max_kv_transfer_bytes=args.max_kv_transfer_bytes, tracing=tracing, tenant_metrics=tenant_metrics,
-        tensor_parallel_size=engine_config.tensor_parallel_size, reasoning_parser=args.reasoning_parser)
+    try:
+        config = ServerConfig(
+            served_model_names=tuple(args.served_model_name or [args.model]), host=args.host, port=args.port,
+            api_key=args.api_key, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
+            max_sequences_per_request=args.max_sequences_per_request, max_stream_backlog=args.max_stream_backlog,
+            ready_timeout_s=args.ready_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+            test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
+            gateway=gateway_config_from_args(args), metrics_require_auth=args.metrics_require_auth,
+            connections=connection_limits_from_args(args), kv_role=args.kv_role,
+            kv_transfer_key=args.kv_transfer_key,
+            max_kv_transfer_bytes=args.max_kv_transfer_bytes, tracing=tracing, tenant_metrics=tenant_metrics,
+            tensor_parallel_size=engine_config.tensor_parallel_size, reasoning_parser=args.reasoning_parser,
+            **pooler_from_args(args))
+    except ConfigError as e:
+        print(f"ferrylm serve: {e}", file=sys.stderr)
+        return 2
     return run_server(config, lambda: Engine.from_config(engine_config))
 
 

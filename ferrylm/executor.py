@@ -41,6 +41,7 @@ class ModelOutput(NamedTuple):
     accepted: dict[str, list[int]] = {}  # draft tokens the target kept, emitted before `sampled` (never mutated)
     draft_token_ids: dict[str, list[int]] = {}  # proposals for the next step (never mutated)
     accepted_logprobs: dict[str, list[TokenLogprobs]] = {}  # of the `accepted` tokens, when asked (never mutated)
+    pooled: dict[str, list[float]] = {}  # --runner pooling: a request's vector, at its prompt's end (never mutated)
 
 
 class Executor(Protocol):

@@ -87,6 +87,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None  # when asked (SamplingParams.prompt_logprobs), once complete
+    pooled: list[float] | None = None  # SamplingParams.pooling: the prompt's vector, in the finished output
 
 
 @dataclass(frozen=True)

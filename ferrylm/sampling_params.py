@@ -110,6 +110,10 @@ class SamplingParams:
     # vLLM's cache_salt: part of the prompt's prefix-cache block hashes, so only requests under the same
     # salt share cached blocks (the front doors set it per tenant); it changes no output
     cache_salt: str | None = None
+    # --runner pooling (vLLM's PoolingParams, folded in): the prompt's final hidden states pooled into one
+    # vector (last | mean | cls token), L2-normalised when `normalize`; such a request generates nothing
+    pooling: str | None = None
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +154,10 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]",
              "prompt_logprobs"),
         ]
+        checks += [(self.pooling in POOLING_TYPES, f"pooling must be one of {', '.join(map(str, POOLING_TYPES))}",
+                    "pooling"),
+                   (self.pooling is None or self.max_tokens == 0, "a pooling request generates nothing: max_tokens "
+                    "must be 0", "max_tokens")]
         for ok, message, param in checks:
             if not ok:
                 raise SamplingParamsError(message, param)
@@ -183,6 +191,7 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids must be integers", "stop_token_ids")
 
 
+POOLING_TYPES = (None, "last", "mean", "cls")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 

@@ -215,6 +215,7 @@ class Engine:
         self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
         return failed + self.output_processor.process(updated, result.logprobs,
                                                       prompt_logprobs=result.prompt_logprobs,
+                                                      pooled=result.pooled,
                                                       accepted_logprobs=result.accepted_logprobs)
 
     def _count_batch(self, sched: SchedulerOutput) -> None:

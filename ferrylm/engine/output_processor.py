@@ -46,6 +46,7 @@ class _RequestState:
     cumulative_logprob: float = 0.0
     prompt_logprobs: PromptLogprobs | None = None  # [None] + one entry per scored position, when asked
     prompt_logprobs_sent: bool = False  # DELTA sends them once
+    pooled: list[float] | None = None  # --runner pooling: the vector, once the prompt is done
 
     def add_prompt_logprobs(self, scored: Sequence[PromptLogprob], decode: Callable[[int], str]) -> None:
         """Append the next positions in order; a position seen before (a preempted request computes
@@ -90,7 +91,8 @@ class _RequestState:
             logprobs=logprobs, cumulative_logprob=self.cumulative_logprob if wants_logprobs else None,
             text_delta=text_delta, token_ids_delta=list(token_delta))
         return RequestOutput(req.request_id, self.prompt, req.prompt_token_ids, [completion], req.is_finished,
-                             req.num_cached_tokens, dataclasses.replace(req.metrics), self._prompt_logprobs_out())
+                             req.num_cached_tokens, dataclasses.replace(req.metrics), self._prompt_logprobs_out(),
+                             self.pooled)
 
 
 def _stamp(metrics: RequestMetrics, now: float, finished: bool, token: bool = True) -> None:
@@ -134,7 +136,8 @@ class OutputProcessor:
     def process(self, requests: Sequence[Request], logprobs: Mapping[str, TokenLogprobs],
                 now: float | None = None,
                 prompt_logprobs: Mapping[str, Sequence[PromptLogprob]] | None = None,
-                accepted_logprobs: Mapping[str, Sequence[TokenLogprobs]] | None = None) -> list[RequestOutput]:
+                accepted_logprobs: Mapping[str, Sequence[TokenLogprobs]] | None = None,
+                pooled: Mapping[str, list[float]] | None = None) -> list[RequestOutput]:
         """One output per request that received a token this step, or ended with none (max_tokens 0):
         scheduler.update's list. `prompt_logprobs`: the prompt tokens the step scored, per request.
         `accepted_logprobs`: those of the speculative draft tokens emitted before the sampled one."""
@@ -142,6 +145,9 @@ class OutputProcessor:
         for rid, scored in (prompt_logprobs or {}).items():
             if rid in self._states:
                 self._states[rid].add_prompt_logprobs(scored, self._token_text)
+        for rid, vector in (pooled or {}).items():
+            if rid in self._states:
+                self._states[rid].pooled = vector
         outputs = []
         for req in requests:
             state = self._states[req.request_id]

@@ -114,4 +114,4 @@ class ParentRequest:
         first = outs[0]
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, [o.outputs[0] for o in outs],
                              all(o.finished for o in outs), first.num_cached_tokens, first.metrics,
-                             self.prompt_logprobs)
+                             self.prompt_logprobs, first.pooled)

@@ -220,8 +220,10 @@ class Scheduler:
             if req.grammar_pending:
                 i += 1
                 continue
-            # prompt logprobs come from the prefill's logits: such a request computes every position
-            cached = [] if req.sampling_params.prompt_logprobs is not None else \
+            # prompt logprobs come from the prefill's logits, mean / cls pooling from its hidden states:
+            # such a request computes every position
+            cached = [] if req.sampling_params.prompt_logprobs is not None or \
+                req.sampling_params.pooling in ("mean", "cls") else \
                 self.block_manager.find_cached_prefix(req.token_ids, req.cache_root)
             num_cached = len(cached) * self.block_manager.block_size
             n = req.num_tokens - num_cached

@@ -30,6 +30,7 @@ from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.kv_swap import HostKVSwap
 from ferrylm.model.loaders.loader import Checkpoint, load_model
 from ferrylm.model.parallel.tp import ShardedCheckpoint, TPContext, TPGroup
+from ferrylm.model.pooling import pool, pooling_rows
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, token_logprobs
 from ferrylm.model.spec import draft_setup
 from ferrylm.model.spec.spec_step import Speculator, build_batch, split_rows
@@ -321,6 +322,8 @@ class ModelRunner:
         for rid in output.preempted_ids:
             if self.speculator is not None:
                 self.speculator.lost_blocks(rid)
+            if rid in self.states:  # recomputed from its first token: a pooled sum restarts
+                self.states[rid].pool, self.states[rid].pooled_rows = None, 0
         for new in output.new_requests:
             if self.speculator is not None:
                 self.speculator.forget(new.request_id)
@@ -333,19 +336,23 @@ class ModelRunner:
         counts = [1 + len(output.scheduled[i].draft_token_ids) for i in rows]
         batch = build_batch(output.scheduled, self.block_size, self.device, self._rows_fit_compiled(output))
         plans = prompt_logprobs.plan(output.scheduled, self.states)
+        pooling = pooling_rows(output.scheduled, self.states)
         scored: dict[str, list[PromptLogprob]] = {}
-        if plans and self.compiled is not None and self.compiled.can_run(batch):
+        pooled: dict[str, list[float]] = {}
+        if plans and not pooling and self.compiled is not None and self.compiled.can_run(batch):
             every = self.compiled.logits(batch)  # one row per token: the scored rows' logits are here
             logits = every.index_select(0, batch.logits_indices)
             scored = prompt_logprobs.compute(lambda rows: rows, every, plans)
-        elif plans:  # eager: the prompt rows' hidden states are needed, not only the sampled rows' logits
+        elif plans or pooling:  # eager: the prompt rows' hidden states are needed, not only the sampled rows'
             hidden = self._forward(batch)
             logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-            scored = prompt_logprobs.compute(self.model.compute_logits, hidden, plans)
+            if plans:
+                scored = prompt_logprobs.compute(self.model.compute_logits, hidden, plans)
+            pooled = pool(hidden, pooling, self.states)
         else:
             logits = self._logits(batch, len(batch.logits_indices))
         if not rows:
-            return ModelOutput({}, {}, scored)
+            return ModelOutput({}, {}, scored, pooled=pooled)
         if len(counts) == sum(counts):
             result = self._sample(logits, [output.scheduled[i].request_id for i in rows])
         else:
@@ -353,7 +360,7 @@ class ModelRunner:
         drafts = {}
         if self.speculator is not None:
             drafts = self.speculator.propose([output.scheduled[i] for i in rows], self.states)
-        return result._replace(prompt_logprobs=scored, draft_token_ids=drafts)
+        return result._replace(prompt_logprobs=scored, draft_token_ids=drafts, pooled=pooled)
 
     def _rows_fit_compiled(self, output: SchedulerOutput) -> bool:
         """Whether to lay this step's prefill chunks out as decode rows and run the compiled step: when

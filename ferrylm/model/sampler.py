@@ -54,6 +54,8 @@ class SamplingRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: Any = None  # structured output: the request's xgrammar GrammarMatcher
+    pool: torch.Tensor | None = None  # pooling: the hidden states summed so far (mean) or the first (cls)
+    pooled_rows: int = 0
 
 
 class SamplerOutput(NamedTuple):

@@ -51,6 +51,7 @@ from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.server import gatekeeping, inputs, kv_routes, messages, prompts, responses, serving, structured, tokenize
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.config import ServerConfig
+from ferrylm.server.embeddings import EmbeddingRequest, embeddings_shaper
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
@@ -77,7 +78,8 @@ def _request_id(request: Request, prefix: str) -> str:
 
 
 async def _start(state: ServerState, engine: EngineClient, ctx: ResponseContext, prompts: list[list[int]],
-                 params: SamplingParams, req: SamplingRequest, priority: int, tenant: str | None = None) -> Fanout:
+                 params: SamplingParams, req: SamplingRequest | EmbeddingRequest, priority: int,
+                 tenant: str | None = None) -> Fanout:
     log.info("request", extra={"request_id": ctx.request_id, "model": ctx.model, "n": params.n,
                                "prompt_tokens": [len(p) for p in prompts], "max_tokens": params.max_tokens,
                                "stream": bool(req.stream), "user": req.user})
@@ -94,7 +96,8 @@ async def _start(state: ServerState, engine: EngineClient, ctx: ResponseContext,
 
 
 async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx: ResponseContext,
-                 prompts: list[list[int]], params: SamplingParams, req: SamplingRequest, streamer: Callable,
+                 prompts: list[list[int]], params: SamplingParams, req: SamplingRequest | EmbeddingRequest,
+                 streamer: Callable,
                  shaper: Callable) -> Response:
     """Gateway admission → engine → SSE or JSON; the gateway settles once the response ends."""
     started = time.monotonic()
@@ -152,6 +155,7 @@ async def _chat_inputs(request: Request, engine: EngineClient, req: ChatCompleti
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
     await gatekeeping.authenticate(request, state)
+    _require_runner(state, "generate")
     engine = state.admit()
     req = parse_model(ChatCompletionRequest, await read_json_body(request, state.config.max_body_bytes))
     ctx_id = _request_id(request, "chatcmpl")
@@ -169,6 +173,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state = _state(request)
     await gatekeeping.authenticate(request, state)
+    _require_runner(state, "generate")
     engine = state.admit()
     req = parse_model(CompletionRequest, await read_json_body(request, state.config.max_body_bytes))
     ctx_id = _request_id(request, "cmpl")
@@ -195,6 +200,7 @@ async def create_response(request: Request) -> Response:
     state = _state(request)
     await gatekeeping.authenticate(request, state)
     engine = state.admit()
+    _require_runner(state, "generate")
     body = parse_model(ResponsesRequest, await read_json_body(request, state.config.max_body_bytes))
     req = as_chat_request(body)
     ctx_id = _request_id(request, "resp")
@@ -216,6 +222,7 @@ async def create_message(request: Request) -> Response:
     state = _state(request)
     await gatekeeping.authenticate(request, state)
     engine = state.admit()
+    _require_runner(state, "generate")
     body = parse_model(MessagesRequest, await read_json_body(request, state.config.max_body_bytes))
     req = messages_protocol.as_chat_request(body)
     request.state.request_id = request.state.request_id or messages.message_id()
@@ -230,6 +237,46 @@ async def create_message(request: Request) -> Response:
                           reasoning=parser_for(state.config.reasoning_parser))
     return await _serve(request, state, engine, ctx, [prompt], params, req, messages.messages_stream,
                         messages.messages_response)
+
+
+def _require_runner(state: ServerState, runner: str) -> None:
+    """400 for a route the server's --runner does not serve (vLLM answers the same way)."""
+    if state.config.runner == runner:
+        return
+    if runner == "pooling":
+        raise invalid("This server generates text; embeddings need a server started with --runner pooling.",
+                      code="wrong_runner")
+    raise invalid("This server runs --runner pooling: it serves POST /v1/embeddings, not text generation.",
+                  code="wrong_runner")
+
+
+async def create_embeddings(request: Request) -> Response:
+    """POST /v1/embeddings (--runner pooling): every input prefilled once and pooled into a vector."""
+    state = _state(request)
+    await gatekeeping.authenticate(request, state)
+    _require_runner(state, "pooling")
+    engine = state.admit()
+    req = parse_model(EmbeddingRequest, await read_json_body(request, state.config.max_body_bytes))
+    ctx_id = _request_id(request, "embd")
+    model = state.resolve_model(req.model)
+    core = engine.model_info
+    if req.input == "" or req.input == [] or (isinstance(req.input, list) and any(p in ("", []) for p in req.input)):
+        raise invalid("'input' must not be empty (nor hold an empty string or token list).", "input")
+    as_completion = CompletionRequest.model_validate({"model": req.model, "prompt": req.input, "max_tokens": 0})
+    check_num_sequences(prompts.completion_prompt_count(as_completion), 1, state.config.max_sequences_per_request)
+    try:
+        prompt_ids = await prompts.completion_prompt_ids(core.tokenizer, as_completion, core.vocab_size,
+                                                         core.max_model_len)
+        for prompt in prompt_ids:
+            inputs.check_fits(prompt, 0, core.max_model_len, "input")
+    except APIError as e:
+        e.param = "input" if e.param == "prompt" else e.param
+        e.message = e.message.replace("'prompt'", "'input'")
+        raise
+    params = SamplingParams(max_tokens=0, pooling=state.config.pooling_type, normalize=state.config.pooling_normalize)
+    ctx = ResponseContext(ctx_id, model, core.tokenizer)
+    return await _serve(request, state, engine, ctx, prompt_ids, params, req, serving.stream_chat,  # never streams
+                        embeddings_shaper(req))
 
 
 async def count_message_tokens(request: Request) -> JSONResponse:
@@ -416,6 +463,8 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     v1.add_api_route("/messages/count_tokens", count_message_tokens, methods=["POST"],
                      responses=error_responses(400, 401, 403, 404, 413, 503, anthropic=True),
                      openapi_extra=json_body_openapi(CountTokensRequest))
+    v1.add_api_route("/embeddings", create_embeddings, methods=["POST"], responses=generation_errors,
+                     openapi_extra=json_body_openapi(EmbeddingRequest))
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=ModelList)
     v1.add_api_route("/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard,
                      responses=error_responses(404))

@@ -39,6 +39,9 @@ class ServerConfig:
     tenant_metrics: TenantMetricsConfig = TenantMetricsConfig()  # which tenants get their own latency series
     tensor_parallel_size: int = 1  # devices the engine uses: tokens_per_second_per_device divides by it
     reasoning_parser: str | None = None  # --reasoning-parser (vLLM's): deepseek_r1 | qwen3 (server/reasoning.py)
+    runner: str = "generate"  # --runner (vLLM's): generate, or pooling (POST /v1/embeddings only)
+    pooling_type: str = "last"  # --pooler-config's pooling_type: last | mean | cls
+    pooling_normalize: bool = True  # --pooler-config's normalize: L2-normalise the vectors
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -49,6 +52,10 @@ class ServerConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r} is not supported; choose one of "
                               f"{', '.join(REASONING_PARSERS)}")
+        if self.runner not in ("generate", "pooling"):
+            raise ConfigError(f"--runner must be generate or pooling, not {self.runner!r}")
+        if self.pooling_type not in ("last", "mean", "cls"):
+            raise ConfigError(f"--pooler-config pooling_type must be last, mean or cls, not {self.pooling_type!r}")
         if self.kv_role not in (None, "prefill", "decode", "both"):
             raise ConfigError(f"--kv-role must be prefill, decode or both, not {self.kv_role!r}")
         if self.kv_role is not None and not self.kv_transfer_key:
