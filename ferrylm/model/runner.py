@@ -187,12 +187,14 @@ class ModelRunner:
         graphs missing from the disk cache are compiled by the other process first, then loaded."""
         step = CompiledDecodeStep(self.model, self.kv_caches, max_num_seqs, max_blocks, pad_block=self.num_blocks,
                                   block_size=self.block_size)
-        elsewhere = publish and self.compile_elsewhere is not None
+        compile_elsewhere = self.compile_elsewhere if publish else None
+        elsewhere = compile_elsewhere is not None
         try:
             try:
-                report = step.warm_up(compile_missing=not elsewhere)
+                report = step.warm_up(compile_missing=compile_elsewhere is None)
             except GraphNotCached:
-                if not self.compile_elsewhere():
+                assert compile_elsewhere is not None  # only then are missing graphs not compiled here
+                if not compile_elsewhere():
                     log.warning("the compile worker failed; compiling the decode graphs in this process")
                     elsewhere = False
                 report = step.warm_up()

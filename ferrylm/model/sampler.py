@@ -15,7 +15,7 @@ All maths on logits is batched tensor work; Python loops only build per-request 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -131,12 +131,12 @@ class SamplingBatch:
         return cls(
             num_rows=len(states),
             vocab_size=vocab_size,
-            greedy=cols["greedy"].bool(),
+            greedy=cast(torch.Tensor, cols["greedy"]).bool(),
             all_greedy=all_greedy,
             any_greedy=any(p.greedy for p in params),
             temperature=cols["temperature"],
             top_k=None if cols["top_k"] is None else cols["top_k"].long(),
-            max_top_k=max((p.top_k for p in params if _uses_top_k(p, vocab_size)), default=0),
+            max_top_k=max((cast(int, p.top_k) for p in params if _uses_top_k(p, vocab_size)), default=0),
             top_p=cols["top_p"],
             min_p=cols["min_p"],
             seeded_rows=seeded,

@@ -68,9 +68,9 @@ class EngineStatsCollector(Collector):
             family.add_metric([self._model_name], float(value or 0))
             families.append(family)
         for name, doc, value in counters:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self._model_name], float(value or 0))
-            families.append(family)
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self._model_name], float(value or 0))
+            families.append(counter)
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted at each draft position (0: the first).",
                                       labels=["model_name", "position"])

@@ -168,6 +168,7 @@ def emit_engine_spans(tracing: Tracing, parent: Span, t: RequestTimeline) -> Non
     from opentelemetry.trace import set_span_in_context
 
     context = set_span_in_context(parent)
+    phases: list[tuple[str, float | None, float | None, dict[str, float]]]  # (name, begin, end, attributes)
     phases = [("queue", t.arrival, t.first_scheduled, {}),
               ("prefill", t.first_scheduled, t.first_token,
                {"ferrylm.prefilled_tokens": t.prefilled_tokens, "ferrylm.cached_tokens": t.cached_tokens}),

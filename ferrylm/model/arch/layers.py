@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrylm.model.quant.base import QuantMethod, UnquantizedMethod
+from ferrylm.model.quant.base import QuantMethod, StoredWeight, UnquantizedMethod
+
+if TYPE_CHECKING:
+    from ferrylm.model.loaders.gguf_loader import GGUFTensor
+    from ferrylm.model.loaders.int4_checkpoint import Int4Tensor
 
 
 class RMSNorm(nn.Module):
@@ -81,9 +86,9 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float() / self.rotary_dim
         inv_freq = 1.0 / (self.theta ** exponent)
         if self.rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
+            inv_freq = _llama3_inv_freq(inv_freq, cast(dict, self.scaling))  # a rope_type implies scaling
         elif self.rope_type == "linear":
-            inv_freq = inv_freq / self.scaling["factor"]
+            inv_freq = inv_freq / cast(dict, self.scaling)["factor"]
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq.float())
         self.cos, self.sin = freqs.cos(), freqs.sin()
@@ -137,6 +142,14 @@ class SiluAndMul(nn.Module):
 class Linear(nn.Module):
     """y = x W^T (+ b), W [out, in] as in checkpoints. How W is stored and multiplied is the layer's
     QuantMethod (quant/base.py): a float weight and F.linear unless a quantization is chosen."""
+
+    # What the QuantMethod keeps on the layer: the float `weight` (create_weights), which a
+    # StoredWeightMethod replaces by `packed` after loading; the GGUF and AWQ / GPTQ methods collect
+    # the checkpoint's (first row, tensor) shards in `gguf_shards` / `int4_shards` until then.
+    weight: torch.Tensor
+    packed: StoredWeight
+    gguf_shards: list[tuple[int, GGUFTensor | torch.Tensor]]
+    int4_shards: list[tuple[int, Int4Tensor | torch.Tensor]]
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: QuantMethod | None = None):
         super().__init__()

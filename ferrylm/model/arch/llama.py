@@ -7,7 +7,7 @@ Q/K/V and gate/up projections are packed into one matmul each.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -164,10 +164,10 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} layers")
         x = self.embed(batch.input_ids)  # [T, hidden]
-        residual = None
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(layers, kv_caches):
             x, residual = layer(x, residual, batch, kv_cache)
-        x, _ = self.norm.forward_residual(x, residual)
+        x, _ = self.norm.forward_residual(x, cast(torch.Tensor, residual))  # set by the first layer
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ class CpuKernels(NamedTuple):
 
 def _register_fakes(ns: str) -> None:
     """Shapes for tracing: attention returns q's shape; the in-place ops return nothing."""
-    fakes = {
+    fakes: dict[str, Callable[..., torch.Tensor | None]] = {
         "paged_decode_attention": lambda q, k_cache, v_cache, block_tables, seq_lens, scale:
             torch.empty_like(q),
         "add_rms_norm_": lambda x, residual, weight, eps: None,

@@ -20,11 +20,15 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from ferrylm.model.cpu.cpu_isa import CpuInfo, select_variant, this_cpu
+
+if TYPE_CHECKING:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
 
 log = logging.getLogger("ferrylm.compile")
 
@@ -82,7 +86,8 @@ def load_step(path: Path, args: tuple, f_globals: dict):
         return None
     try:
         with path.open("rb") as f:
-            step = torch.compiler.load_compiled_function(f, f_globals=f_globals)
+            # an AOTCompiledFunction (torch's stub says only Callable)
+            step = cast("AOTCompiledFunction", torch.compiler.load_compiled_function(f, f_globals=f_globals))
         if not sources_unchanged(step):
             raise ValueError("the code it was traced from has changed")
         if not step.guard_check(*args):

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, cast
 
 import torch
 
@@ -53,6 +53,13 @@ def inductor_options(high: int) -> dict:
     return {**INDUCTOR_OPTIONS, "cpp_wrapper": True} if high <= CPP_WRAPPER_MAX_ROWS else dict(INDUCTOR_OPTIONS)
 
 
+class TensorDecodeBackend(Protocol):
+    """An attention backend that builds a decode-only batch's metadata from its tensors alone (no host-side
+    length lists): what a compiled step needs (attention/cpu.py's CpuBackend)."""
+
+    def prepare_decode(self, batch: ForwardBatch) -> object: ...
+
+
 def decode_logits(model: LlamaForCausalLM, kv_caches: list[KVCache], input_ids: torch.Tensor,
                   positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor) -> torch.Tensor:
@@ -65,7 +72,7 @@ def decode_logits(model: LlamaForCausalLM, kv_caches: list[KVCache], input_ids: 
     batch = ForwardBatch(input_ids, positions, slot_mapping, block_tables, seq_lens,
                          query_start_loc=torch.arange(num_rows + 1, device=input_ids.device), logits_indices=rows,
                          seq_lens_list=[], query_lens_list=[])
-    batch = batch.with_attn_metadata(model.attn_backend.prepare_decode(batch))
+    batch = batch.with_attn_metadata(cast(TensorDecodeBackend, model.attn_backend).prepare_decode(batch))
     return model.compute_logits(model(batch, kv_caches))
 
 
@@ -132,6 +139,9 @@ class CompiledDecodeStep:
         MAX_GRAPHS are made); each runs once on padding rows (length 1, the pad slot). Raises when
         the model does not trace as one graph, and GraphNotCached (nothing published) on a graph
         missing from the cache unless `compile_missing`."""
+        loaded: list[str]
+        compiled: list[str]
+        ranges: list[SizeRange]
         start, loaded, compiled, ranges = time.perf_counter(), [], [], []
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         high = self.max_num_seqs
@@ -178,7 +188,7 @@ def _compile(args: tuple, path: Path, options: dict):
     # test's) and would turn whatever differed into symbols, floats included, which aot_compile cannot
     # restart from (TensorifyScalarRestartAnalysis): each step is traced as if it were the first.
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        step = fn.aot_compile((args, {}))
+        step = fn.aot_compile((args, {}))  # type: ignore[attr-defined]  # stub lacks aot_compile
     save_step(step, path)
     return step
 

@@ -14,7 +14,7 @@ shapes only declare `supports_cuda_graphs = True` (TritonBackend).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict
 
 import torch
 
@@ -38,6 +38,13 @@ def pick_bucket(sizes: list[int], num_seqs: int) -> int | None:
     return next((s for s in sizes if s >= num_seqs), None)
 
 
+class _TensorOptions(TypedDict):
+    """The dtype= and device= keywords of a torch factory call."""
+
+    dtype: torch.dtype
+    device: torch.device | str
+
+
 class StaticDecodeInputs:
     """Fixed-address decode inputs for max_num_seqs rows; `fill` copies a batch in and pads it."""
 
@@ -45,7 +52,7 @@ class StaticDecodeInputs:
                  device: torch.device | str):
         self.max_num_seqs, self.max_blocks = max_num_seqs, max_blocks
         self.pad_block, self.pad_slot = pad_block, pad_block * block_size
-        i64 = dict(dtype=torch.int64, device=device)
+        i64: _TensorOptions = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_num_seqs, **i64)
         self.positions = torch.zeros(max_num_seqs, **i64)
         self.slot_mapping = torch.full((max_num_seqs,), self.pad_slot, **i64)

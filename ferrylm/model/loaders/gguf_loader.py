@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -190,7 +191,7 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     eos = gguf.field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="mixtral" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch],
-        vocab_size=key("vocab_size") or num_tokens,
+        vocab_size=key("vocab_size") or cast(int, num_tokens),  # a GGUF model carries its vocabulary
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
         num_layers=key("block_count"),
@@ -229,9 +230,9 @@ def _expert_tensors(gguf: "GGUFFile", t: TensorInfo, layer: str, proj: str) -> I
         data = _row_blocks(gguf, t, experts * rows, cols)
     except ValueError as e:
         raise ModelLoadError(f"{gguf.path}: tensor {t.name!r}: {e}") from None
-    for e in range(experts):
-        yield (f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight",
-               GGUFTensor(t.tensor_type, data[e * rows:(e + 1) * rows], (rows, cols)))
+    for expert in range(experts):
+        yield (f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
+               GGUFTensor(t.tensor_type, data[expert * rows:(expert + 1) * rows], (rows, cols)))
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -294,8 +295,9 @@ def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str
         if name is None:
             continue
         w = _raw_tensor(gguf, t)
+        # q / k projections are 2-D: GGUFTensors
         if permute and name.endswith("q_proj.weight"):
-            w = w.with_rows(unpermute_qk(w.data, config.num_heads))
+            w = cast(GGUFTensor, w).with_rows(unpermute_qk(w.data, config.num_heads))
         elif permute and name.endswith("k_proj.weight"):
-            w = w.with_rows(unpermute_qk(w.data, config.num_kv_heads))
+            w = cast(GGUFTensor, w).with_rows(unpermute_qk(w.data, config.num_kv_heads))
         yield name, w

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -13,6 +15,15 @@ from ferrylm.model.arch.llama import LlamaForCausalLM
 from ferrylm.model.attention.base import AttentionBackend
 from ferrylm.model.loaders.model_source import ModelLoadError, ModelSource
 from ferrylm.model.quant import select_quant_method
+
+if TYPE_CHECKING:
+    from ferrylm.model.loaders.gguf_loader import GGUFTensor
+    from ferrylm.model.loaders.int4_checkpoint import Int4Tensor
+
+    # a checkpoint tensor: float, a GGUF tensor still in its blocks, or an AWQ / GPTQ module's int4 weight
+    CheckpointTensor = torch.Tensor | GGUFTensor | Int4Tensor
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 # checkpoint projection → (packed parameter, shard index)
 _PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -34,7 +45,7 @@ class Checkpoint:
 
             self.config = load_hf_config(source.path, source.name)
 
-    def weights(self) -> Iterable[tuple[str, object]]:
+    def weights(self) -> Iterable[tuple[str, CheckpointTensor]]:
         """(name, float tensor) pairs, or for GGUF 2-D tensors still in their blocks (GGUFTensor)."""
         if self.source.kind == "gguf":
             from ferrylm.model.loaders.gguf_loader import iter_gguf_weights
@@ -43,11 +54,24 @@ class Checkpoint:
         from ferrylm.model.loaders.hf_loader import canonical_weights, iter_hf_weights, read_json
         from ferrylm.model.loaders.int4_checkpoint import assemble_int4, read_quantization_config
 
-        weights = iter_hf_weights(self.source.path)
+        weights: Iterator[tuple[str, Any]] = iter_hf_weights(self.source.path)  # as canonical_weights takes them
         if self.config.prequantized:
             fmt = read_quantization_config(read_json(self.source.path / "config.json"), str(self.source.path))
             weights = assemble_int4(weights, fmt) if fmt is not None else weights
         return canonical_weights(weights, self.config)
+
+
+class CheckpointLike(Protocol):
+    """What load_model reads: a Checkpoint, or one tensor-parallel rank's share of one (parallel.tp's
+    ShardedCheckpoint, whose `source` is a SimpleNamespace with `kind` and `path`)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def source(self) -> ModelSource | SimpleNamespace: ...
+
+    def weights(self) -> Iterable[tuple[str, CheckpointTensor]]: ...
 
 
 def _shard_slice(config: ModelConfig, packed: str, index: int, out_features: int) -> slice:
@@ -59,7 +83,7 @@ def _shard_slice(config: ModelConfig, packed: str, index: int, out_features: int
     return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)][index]
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, object]], origin: str) -> None:
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, CheckpointTensor]], origin: str) -> None:
     """Copy checkpoint tensors into the model; every weight must be filled. A Linear's weight goes
     through its QuantMethod (q/k/v and gate/up fill row ranges of the packed projections); tensors
     are float, or GGUF tensors still in their blocks (gguf_loader.GGUFTensor)."""
@@ -83,8 +107,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, object]],
         module_name, _, attr = target.rpartition(".")
         layer = linears.get(module_name)
         if layer is not None and attr == "weight":
-            expected = (len(range(layer.out_features)[rows]), layer.in_features)
-            _check_shape(origin, ckpt_name, tuple(tensor.shape), expected)
+            expected_shape = (len(range(layer.out_features)[rows]), layer.in_features)
+            _check_shape(origin, ckpt_name, tuple(tensor.shape), expected_shape)
             layer.quant.load_weight(layer, tensor, rows)
         elif target in params:
             dest = params[target].data[rows]
@@ -108,13 +132,13 @@ def _check_shape(origin: str, ckpt_name: str, got: tuple[int, ...], expected: tu
         raise ModelLoadError(f"{origin}: tensor {ckpt_name!r} has shape {got}, expected {expected}")
 
 
-def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def _materialize(model: ModuleT, device: torch.device) -> ModuleT:
     """`to_empty(device)` without meta-tensor `empty_like`, whose first call imports torch's Python meta
     registrations and sympy (~1 s of every start)."""
     return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+def load_model(checkpoint: CheckpointLike, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                max_positions: int | None = None, fused_ops=None,
                quantization: QuantConfig | None = None, tp=None, int8_activations: bool = False) -> LlamaForCausalLM:
     """Allocate on the meta device, materialise in `dtype` on `device`, fill from the checkpoint, then let

@@ -20,7 +20,7 @@ import re
 import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -176,6 +176,16 @@ class ShardedCheckpoint:
                     yield name, t.float().contiguous()
 
 
+class _GlooCollectives(Protocol):
+    """The collectives TPGroup calls on its ProcessGroupGloo (torch's stub of the class leaves them out)."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]) -> dist.Work: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
+
+
 class TPGroup:
     """One rank's side of the group: the collectives the model calls, and the per-step broadcast of
     the scheduler's decision (rank 0 sends; the others run the same forward)."""
@@ -189,7 +199,7 @@ class TPGroup:
         self.collective_seconds = 0.0  # time inside all-reduce / all-gather, for bench/tensor_parallel.py
         store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=timeout)
         self.store = dist.PrefixStore("ferrylm-tp/", store) if agent_store else store
-        self.pg = dist.ProcessGroupGloo(self.store, rank, world, timeout)
+        self.pg = cast(_GlooCollectives, dist.ProcessGroupGloo(self.store, rank, world, timeout))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (gloo reduces float32; other dtypes go through a float32 copy)."""

@@ -3,12 +3,17 @@ run time, multiplied by torch._scaled_mm with row-wise scales. Needs compute cap
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.config import ConfigError
 from ferrylm.model.quant.base import StoredWeightMethod
+
+if TYPE_CHECKING:
+    from ferrylm.model.arch.layers import Linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -22,6 +27,9 @@ def quantize_fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8Weight(nn.Module):
+    weight_fp8: torch.Tensor  # [out, in] e4m3
+    weight_scale: torch.Tensor  # [1, out] fp32
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         q, s = quantize_fp8_rows(weight)
@@ -54,11 +62,11 @@ class Fp8W8A8(StoredWeightMethod):
         if (major, minor) < (8, 9):
             raise ConfigError(f"--quantization fp8 needs compute capability 8.9 or newer, this GPU has {major}.{minor}")
 
-    def create_weights(self, layer: nn.Module) -> None:
+    def create_weights(self, layer: Linear) -> None:
         if layer.in_features % 16 or layer.out_features % 16:
             raise ConfigError(f"--quantization fp8: torch._scaled_mm needs in/out features divisible by 16, "
                               f"got {layer.in_features}→{layer.out_features}")
         super().create_weights(layer)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         self.replace_weight(layer, Fp8Weight(layer.weight.data))

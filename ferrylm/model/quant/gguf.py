@@ -11,19 +11,23 @@ weight); F32 / F16 / BF16 tensors stay float.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
-from torch import nn
 
 from ferrylm.model.loaders.gguf_dequant import INTEGER_TYPES, GGMLType, integer_blocks
 from ferrylm.model.quant.base import StoredWeightMethod
 from ferrylm.model.quant.layout import pack_q4
 from ferrylm.model.quant.packed import FloatWeight, PackedWeight, SegmentedWeight, UnpackBuffer
 
+if TYPE_CHECKING:
+    from ferrylm.model.arch.layers import Linear
+
 _Q4_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K})
 
 
 def repack(tensor, kernels=None, float_dtype: torch.dtype = torch.float32,
-           buffer: UnpackBuffer | None = None) -> nn.Module:
+           buffer: UnpackBuffer | None = None) -> PackedWeight | FloatWeight:
     """A GGUFTensor (or a float tensor) → PackedWeight, or FloatWeight (in `float_dtype`) for floats."""
     if isinstance(tensor, torch.Tensor):
         return FloatWeight(tensor.to(float_dtype))
@@ -41,16 +45,17 @@ def repack(tensor, kernels=None, float_dtype: torch.dtype = torch.float32,
                         blocks.group, kind in _Q4_TYPES, kernels, buffer)
 
 
-def _layout_key(w: nn.Module) -> tuple:
+def _layout_key(w: PackedWeight | FloatWeight) -> tuple:
     if not isinstance(w, PackedWeight):
         return ("float", w.weight.dtype)
     return ("packed", w.q4, w.group, w.scales.dtype, w.mins is None)
 
 
-def merge_rows(parts: list[nn.Module], kernels=None, buffer: UnpackBuffer | None = None) -> nn.Module:
+def merge_rows(parts: list[PackedWeight | FloatWeight], kernels=None,
+               buffer: UnpackBuffer | None = None) -> PackedWeight | FloatWeight | SegmentedWeight:
     """Stack row ranges into one weight: one PackedWeight (or FloatWeight) when they share a layout,
     else a SegmentedWeight of runs that do."""
-    runs: list[list[nn.Module]] = []
+    runs: list[list[PackedWeight | FloatWeight]] = []
     for p in parts:
         if runs and _layout_key(runs[-1][-1]) == _layout_key(p):
             runs[-1].append(p)
@@ -60,14 +65,16 @@ def merge_rows(parts: list[nn.Module], kernels=None, buffer: UnpackBuffer | None
     return merged[0] if len(merged) == 1 else SegmentedWeight(merged)
 
 
-def _stack(run: list[nn.Module], kernels, buffer: UnpackBuffer | None) -> nn.Module:
+def _stack(run: list[PackedWeight | FloatWeight], kernels, buffer: UnpackBuffer | None) -> PackedWeight | FloatWeight:
+    """`run`: weights of one layout (_layout_key), so all FloatWeight or all PackedWeight with mins or without."""
     if len(run) == 1:
         return run[0]
     if isinstance(run[0], FloatWeight):
-        return FloatWeight(torch.cat([p.weight for p in run]))
-    first = run[0]
-    mins = None if first.mins is None else torch.cat([p.mins for p in run])
-    return PackedWeight(torch.cat([p.codes for p in run]), torch.cat([p.scales for p in run]), mins,
+        return FloatWeight(torch.cat([p.weight for p in cast("list[FloatWeight]", run)]))
+    packed = cast("list[PackedWeight]", run)
+    first = packed[0]
+    mins = None if first.mins is None else torch.cat([cast(torch.Tensor, p.mins) for p in packed])
+    return PackedWeight(torch.cat([p.codes for p in packed]), torch.cat([p.scales for p in packed]), mins,
                         first.group, first.q4, kernels, buffer)
 
 
@@ -79,13 +86,13 @@ class GGUFPacked(StoredWeightMethod):
     def __init__(self, kernels=None, float_dtype: torch.dtype = torch.float32):
         self.kernels, self.float_dtype, self.buffer = kernels, float_dtype, UnpackBuffer()
 
-    def create_weights(self, layer: nn.Module) -> None:
+    def create_weights(self, layer: Linear) -> None:
         layer.gguf_shards = []  # (first row, tensor) until process_weights_after_loading
 
-    def load_weight(self, layer: nn.Module, tensor, rows: slice) -> None:
+    def load_weight(self, layer: Linear, tensor, rows: slice) -> None:
         layer.gguf_shards.append((rows.start or 0, tensor))
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         shards = sorted(layer.gguf_shards, key=lambda s: s[0])
         del layer.gguf_shards
         parts = [repack(t, self.kernels, self.float_dtype, self.buffer) for _, t in shards]

@@ -6,11 +6,17 @@ dequantize() is the plain-torch twin every matmul path is tested against.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.model.quant.layout import dequantize_packed
+
+if TYPE_CHECKING:
+    from ferrylm.model.quant.base import StoredWeight
 
 # Which path multiplies M activation rows (measured on SmolLM2 shapes, 30 layers + the LM head, 2
 # threads, on this project's 2-core AMD EPYC (Zen 4): bench/packed_paths.py):
@@ -44,7 +50,7 @@ class UnpackBuffer:
     """The scratch tensor the large-batch path unpacks weight panels into, shared by every layer of one
     model (layers run one at a time). Reusing it spares each step the page faults of fresh memory."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._flat: torch.Tensor | None = None
 
     def get(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -60,6 +66,10 @@ class PackedWeight(nn.Module):
     `kernels`: the compiled extension (quant/kernels.py) or None, then every call takes the twin.
     `buffer`: where the large-batch path unpacks panels (one per model; a private one if None).
     """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int,
                  q4: bool, kernels=None, buffer: UnpackBuffer | None = None):
@@ -135,6 +145,8 @@ class PackedWeight(nn.Module):
 class FloatWeight(nn.Module):
     """A plain float weight behind the same interface (a GGUF F16/F32 tensor inside a packed model)."""
 
+    weight: torch.Tensor
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.register_buffer("weight", weight.contiguous())
@@ -154,17 +166,17 @@ class SegmentedWeight(nn.Module):
     """Row ranges of one Linear stored in different formats (a GGUF file that quantizes q, k and v of a
     packed qkv projection differently); outputs are concatenated along the output features."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: Sequence[StoredWeight]):
         super().__init__()
-        self.parts = nn.ModuleList(parts)
+        self.parts = nn.ModuleList(cast("Sequence[nn.Module]", parts))  # every StoredWeight is an nn.Module
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+        return torch.cat([p.matmul(x) for p in cast("Iterable[StoredWeight]", self.parts)], dim=-1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.cat([p.dequantize(dtype) for p in self.parts], dim=0)
+        return torch.cat([p.dequantize(dtype) for p in cast("Iterable[StoredWeight]", self.parts)], dim=0)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return F.embedding(ids, self.dequantize(dtype))  # not a layout an embedding uses in practice

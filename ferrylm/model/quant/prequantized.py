@@ -9,19 +9,27 @@ the activations are gathered in that order before the matmul. Float tensors in s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
-from ferrylm.model.quant.base import StoredWeightMethod, UnquantizedMethod
+from ferrylm.model.quant.base import StoredWeight, StoredWeightMethod, UnquantizedMethod
 from ferrylm.model.quant.gguf import merge_rows
 from ferrylm.model.quant.layout import pack_q4
 from ferrylm.model.quant.packed import FloatWeight, PackedWeight, SegmentedWeight, UnpackBuffer
+
+if TYPE_CHECKING:
+    from ferrylm.model.arch.layers import Linear
 
 
 class PermutedInputs(nn.Module):
     """A weight whose input columns are stored in `perm` order: x is gathered the same way."""
 
-    def __init__(self, inner: nn.Module, perm: torch.Tensor):
+    perm: torch.Tensor
+    inverse: torch.Tensor
+
+    def __init__(self, inner: StoredWeight, perm: torch.Tensor):
         super().__init__()
         self.inner = inner
         self.register_buffer("perm", perm)
@@ -48,27 +56,30 @@ class PrequantizedInt4(StoredWeightMethod):
     def lm_head_method(self) -> UnquantizedMethod:
         return UnquantizedMethod()  # AWQ and GPTQ leave the LM head in float
 
-    def create_weights(self, layer: nn.Module) -> None:
+    def create_weights(self, layer: Linear) -> None:
         layer.int4_shards = []  # (first row, tensor) until process_weights_after_loading
 
-    def load_weight(self, layer: nn.Module, tensor, rows: slice) -> None:
+    def load_weight(self, layer: Linear, tensor, rows: slice) -> None:
         layer.int4_shards.append((rows.start or 0, tensor))
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         shards = [t for _, t in sorted(layer.int4_shards, key=lambda s: s[0])]
         del layer.int4_shards
         perms = [getattr(t, "perm", None) for t in shards]
+        weight: StoredWeight
         if all(p is None for p in perms):
             weight = merge_rows([self._module(t) for t in shards], self.kernels, self.buffer)
-        elif all(p is not None and torch.equal(p, perms[0]) for p in perms):  # q/k/v share their input's act order
-            weight = PermutedInputs(merge_rows([self._module(t) for t in shards], self.kernels, self.buffer), perms[0])
+        elif all(p is not None and torch.equal(p, cast(torch.Tensor, perms[0])) for p in perms):
+            # q/k/v share their input's act order (perms[0] is a tensor here, as every perm is)
+            weight = PermutedInputs(merge_rows([self._module(t) for t in shards], self.kernels, self.buffer),
+                                    cast(torch.Tensor, perms[0]))
         else:
             parts = [self._module(t) if p is None else PermutedInputs(self._module(t), p)
                      for t, p in zip(shards, perms)]
             weight = parts[0] if len(parts) == 1 else SegmentedWeight(parts)
         self.replace_weight(layer, weight)
 
-    def _module(self, tensor) -> nn.Module:
+    def _module(self, tensor) -> FloatWeight | PackedWeight:
         if isinstance(tensor, torch.Tensor):
             return FloatWeight(tensor.to(self.float_dtype))
         return PackedWeight(pack_q4(tensor.codes), tensor.scales, tensor.mins, tensor.group, True, self.kernels,

@@ -17,6 +17,9 @@ from ferrylm.model.quant.layout import dequantize_packed, pack_q4
 class TorchInt8Weight(nn.Module):
     """int8 codes [out, in] and one fp32 scale per output row."""
 
+    codes: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         super().__init__()
         self.register_buffer("codes", codes.contiguous())  # int8
@@ -37,6 +40,12 @@ class TorchInt8Weight(nn.Module):
 
 class TorchInt4Weight(nn.Module):
     """4-bit codes 0..15 in torch's CPU int4 pack, with (scale, zero) per group in fp32."""
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int):
         super().__init__()

@@ -8,14 +8,18 @@ head (and a tied embedding) gets int8 instead: see Int4WeightOnly.lm_head_method
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 
 from ferrylm.config import ConfigError
 from ferrylm.model.quant.base import StoredWeightMethod
 from ferrylm.model.quant.layout import pack_q4
 from ferrylm.model.quant.packed import PackedWeight, UnpackBuffer
 from ferrylm.model.quant.torch_ops import TorchInt4Weight, TorchInt8Weight
+
+if TYPE_CHECKING:
+    from ferrylm.model.arch.layers import Linear
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,9 +51,10 @@ class Int8WeightOnly(StoredWeightMethod):
     def __init__(self, kernels=None):
         self.kernels, self.buffer = kernels, UnpackBuffer()
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         codes, scales = quantize_int8(layer.weight.data)
         k = codes.shape[1]
+        packed: PackedWeight | TorchInt8Weight
         if self.kernels is not None and k % 32 == 0:
             packed = PackedWeight(codes.view(torch.uint8), scales, None, k, False, self.kernels, self.buffer)
         else:
@@ -70,15 +75,16 @@ class Int4WeightOnly(StoredWeightMethod):
         a 4-bit head cost +6.8% perplexity, an int8 one none; it is also the tied embedding table."""
         return Int8WeightOnly(self.kernels)
 
-    def create_weights(self, layer: nn.Module) -> None:
+    def create_weights(self, layer: Linear) -> None:
         if layer.in_features % self.group:
             raise ConfigError(f"--quantization int4 with group size {self.group}: it does not divide "
                               f"in_features {layer.in_features} of a {layer.in_features}→{layer.out_features} "
                               f"linear layer; choose int4-g32 or another group size that divides it")
         super().create_weights(layer)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         q, scales, mins = quantize_int4(layer.weight.data, self.group)
+        packed: PackedWeight | TorchInt4Weight
         if self.kernels is not None:
             packed = PackedWeight(pack_q4(q), scales, mins, self.group, True, self.kernels, self.buffer)
         else:

@@ -191,6 +191,8 @@ def _grammar_masked(logits: torch.Tensor, items: Sequence[ScheduledRequest],
     """Each item's draft as verified, and its logits rows: a guided request's rows masked by its
     grammar after each draft prefix, its draft cut at the first guess the grammar refuses or ends
     on (structured_output.mask_draft_rows); the rows past a cut are dropped."""
+    drafts: list[list[int]]
+    keep: list[int]
     drafts, keep = [], []
     offset = 0
     for item in items:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 # draft 2020-12 assertions/applicators the grammar enforces (the rest of draft 2020-12 is refused,
 # except the annotations below, which constrain nothing)
@@ -200,12 +200,12 @@ def _implied_types(node: dict) -> list[str]:
 
 def _productive_as(kind: str, node: dict, ok: dict[str, bool]) -> bool:
     if kind == "object":
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        required = node.get("required") if isinstance(node.get("required"), list) else []
+        props = cast(dict, node.get("properties")) if isinstance(node.get("properties"), dict) else {}
+        required = cast(list, node.get("required")) if isinstance(node.get("required"), list) else []
         return all(_productive(props[name], ok) for name in required if isinstance(name, str) and name in props)
     if kind == "array":
-        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
-        least = node.get("minItems") if isinstance(node.get("minItems"), int) else 0
+        prefix = cast(list, node.get("prefixItems")) if isinstance(node.get("prefixItems"), list) else []
+        least = cast(int, node.get("minItems")) if isinstance(node.get("minItems"), int) else 0
         items = node.get("items", True)
         return all(_productive(prefix[i] if i < len(prefix) else items, ok) for i in range(min(least, len(prefix) + 1)))
     return True

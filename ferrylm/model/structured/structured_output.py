@@ -72,7 +72,8 @@ class _Job:
     """One constraint's compile: its future, and the waiters that still want it."""
 
     def __init__(self, spec: StructuredOutputsParams):
-        self.spec, self.future, self.waiters, self.size = spec, Future(), 0, 0
+        self.future: Future[Any] = Future()
+        self.spec, self.waiters, self.size = spec, 0, 0
 
     def cancelled(self) -> bool:
         return self.waiters <= 0 and not self.future.done()
@@ -225,7 +226,7 @@ class GrammarCompiler:
         with self._ready:
             self._starting -= 1
             keep = worker is not None and not self._closed and len(self._idle) < self.limits.max_concurrent
-            if keep:
+            if worker is not None and keep:
                 self._idle.append(worker)
             self._ready.notify()
         if worker is not None and not keep:
