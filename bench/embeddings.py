@@ -66,8 +66,8 @@ def main() -> int:
     source = resolve_model("smollm2-135m")
     hf = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.path.name,
                                               dtype=torch.float32).eval()
-    llm = LLM("smollm2-135m", dtype=args.dtype, quantization=args.quantization, enforce_eager=True, max_num_seqs=args.batch,
-              max_num_batched_tokens=4096, enable_prefix_caching=False)
+    llm = LLM("smollm2-135m", dtype=args.dtype, quantization=args.quantization, enforce_eager=True,
+              max_num_seqs=args.batch, max_num_batched_tokens=4096, enable_prefix_caching=False)
     tok = llm.get_tokenizer()
     texts = [f"{SENTENCES[i % len(SENTENCES)]} (item {i})" for i in range(args.batch * args.batches)]
     ids = [tok.encode(t) for t in texts]
@@ -89,9 +89,11 @@ def main() -> int:
     f, t = statistics.median(rates["ferrylm"]), statistics.median(rates["transformers"])
     print(f"CPU: {describe_cpu()}")
     print(f"{len(ids)} sequences of {min(map(len, ids))}-{max(map(len, ids))} tokens, batches of {args.batch}, "
-          f"{args.rounds} alternating rounds (median); largest difference between the two sides' vectors {diff:.2e}")
+          f"{args.rounds} alternating rounds (median); largest difference between the two sides' vectors "
+          f"{diff:.2e}")
     print("| engine | sequences/s | ratio | foreign CPU (max) |\n|---|---:|---:|---:|")
-    print(f"| FerryLM (pooling, --dtype {args.dtype}, --quantization {args.quantization or 'default'}) | {f:.1f} | {f / t:.2f}x | {max(shares):.3f} |")
+    side = f"FerryLM (pooling, --dtype {args.dtype}, --quantization {args.quantization or 'default'})"
+    print(f"| {side} | {f:.1f} | {f / t:.2f}x | {max(shares):.3f} |")
     print(f"| transformers (float32, padded batch) | {t:.1f} | 1.00x | |")
     return 0
 
