@@ -139,19 +139,20 @@ def test_missing_max_tokens_and_unknown_model_in_anthropics_shape(api_server: Se
 
 def test_x_api_key_authenticates_and_the_audit_row_matches_the_usage(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'state.db'}"
-    keys = make_keys(url, {"alpha": {}})
+    keys = make_keys(url, {"messages-tenant": {}})
     server = ServerProcess("--dtype", "float32", "--require-auth", "--state-db", url)
     try:
         server.wait_ready()
         with pytest.raises(anthropic.AuthenticationError) as e:
             _client(server, "wrong-key").messages.create(model=MODEL, max_tokens=4, messages=ASK)
         assert e.value.body["error"]["type"] == "authentication_error"
-        msg = _client(server, keys["alpha"]).messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY, messages=ASK)
+        claude = _client(server, keys["messages-tenant"])
+        msg = claude.messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY, messages=ASK)
         assert msg.usage.output_tokens > 0
         with sqlite3.connect(tmp_path / "state.db") as conn:
             row = conn.execute("SELECT tenant, prompt_tokens, completion_tokens, status FROM audit_log "
                                "WHERE status = 200 ORDER BY id DESC LIMIT 1").fetchone()
-        assert row == ("alpha", msg.usage.input_tokens + msg.usage.cache_read_input_tokens,
+        assert row == ("messages-tenant", msg.usage.input_tokens + msg.usage.cache_read_input_tokens,
                        msg.usage.output_tokens, 200)
     finally:
         server.stop()
@@ -162,7 +163,9 @@ def test_through_the_gateway_with_its_auth_limits_and_audit(tmp_path, api_server
     the answer and the event stream come through in Anthropic's shape (the SDK's accumulator
     reassembles it), errors are Anthropic's, and the audit rows carry the usage the client saw."""
     db = tmp_path / "gw.db"
-    keys = make_keys(f"sqlite:///{db}", {"alpha": {}})
+    # a tenant of its own: the gateway salts the shared replica's prefix cache per tenant name, and other
+    # modules' tenants ("alpha"...) expect a cold cache there
+    keys = make_keys(f"sqlite:///{db}", {"messages-tenant": {}})
     gateway = ServerProcess("--upstream", api_server.base_url, "--require-auth", "--state-db", f"sqlite:///{db}",
                             "--poll-interval", "0.25", command="gateway")
     try:
@@ -170,7 +173,7 @@ def test_through_the_gateway_with_its_auth_limits_and_audit(tmp_path, api_server
         with pytest.raises(anthropic.AuthenticationError) as e:
             _client(gateway, "wrong").messages.create(model=MODEL, max_tokens=4, messages=ASK)
         assert e.value.body["type"] == "error"
-        claude = _client(gateway, keys["alpha"])
+        claude = _client(gateway, keys["messages-tenant"])
         with pytest.raises(anthropic.NotFoundError):
             claude.messages.create(model="nope", max_tokens=4, messages=ASK)
         kwargs = dict(model=MODEL, max_tokens=12, extra_body=GREEDY, messages=ASK)
