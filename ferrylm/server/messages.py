@@ -25,7 +25,7 @@ from ferrylm.http.messages_protocol import anthropic_error_body
 from ferrylm.http.protocol import ToolCall
 from ferrylm.outputs import FinishReason, RequestOutput
 from ferrylm.server.fanout import Fanout
-from ferrylm.server.reasoning import ReasoningStream
+from ferrylm.server.reasoning import ReasoningStream, split_delta
 from ferrylm.server.serving import ResponseContext, log_finished, usage
 from ferrylm.server.tools import ToolStream
 
@@ -122,10 +122,7 @@ async def _events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, N
     thinking_open = False
     async for _, out in fanout:
         delta = out.outputs[0].text_delta
-        reasoning, answer = thinking.feed(delta) if thinking is not None else ("", delta)
-        if out.finished and thinking is not None:
-            more_reasoning, more_answer = thinking.finish()
-            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        reasoning, answer = split_delta(thinking, delta, out.finished)
         if reasoning:
             if not thinking_open:
                 yield _event("content_block_start", index=0,

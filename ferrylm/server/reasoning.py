@@ -77,6 +77,14 @@ class ReasoningStream:
         content, self.sent = self.text[self.sent:], len(self.text)
         return reasoning, content
 
+    def step(self, delta: str, finished: bool) -> tuple[str, str]:
+        """feed(delta), plus what was held back when the output ends with it."""
+        reasoning, answer = self.feed(delta)
+        if finished:
+            rest_reasoning, rest_answer = self.finish()
+            reasoning, answer = reasoning + rest_reasoning, answer + rest_answer
+        return reasoning, answer
+
     def finish(self) -> tuple[str, str]:
         """What was held back, at the end of the output."""
         rest, self.sent = self.text[self.sent:], len(self.text)
@@ -90,3 +98,8 @@ class ReasoningStream:
             if tag.startswith(self.text[-k:]):
                 return len(self.text) - k
         return len(self.text)
+
+
+def split_delta(stream: ReasoningStream | None, delta: str, finished: bool) -> tuple[str, str]:
+    """(reasoning, answer) of one streamed delta; all answer without a parser."""
+    return stream.step(delta, finished) if stream is not None else ("", delta)

@@ -21,7 +21,7 @@ from ferrylm.http.protocol import ToolCall
 from ferrylm.http.responses_protocol import ResponsesRequest
 from ferrylm.outputs import FinishReason, RequestOutput
 from ferrylm.server.fanout import Fanout
-from ferrylm.server.reasoning import ReasoningStream
+from ferrylm.server.reasoning import ReasoningStream, split_delta
 from ferrylm.server.serving import ResponseContext, chat_usage, guarded, log_finished
 from ferrylm.server.tools import ToolStream
 
@@ -149,10 +149,7 @@ async def _events(ctx: ResponseContext, fanout: Fanout, echo: dict) -> AsyncGene
 
     async for _, out in fanout:
         delta = out.outputs[0].text_delta
-        reasoning, answer = thinking.feed(delta) if thinking is not None else ("", delta)
-        if out.finished and thinking is not None:
-            more_reasoning, more_answer = thinking.finish()
-            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        reasoning, answer = split_delta(thinking, delta, out.finished)
         if reasoning:
             if not rs_open:
                 yield event("response.output_item.added", output_index=0,

@@ -36,7 +36,7 @@ from ferrylm.observability.request_timeline import RequestTimeline
 from ferrylm.outputs import FinishReason, RequestOutput, Usage
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.logprobs import chat_logprobs, completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
-from ferrylm.server.reasoning import ReasoningParser, ReasoningStream
+from ferrylm.server.reasoning import ReasoningParser, ReasoningStream, split_delta
 from ferrylm.server.tools import ToolPlan, ToolStream, call_deltas
 from ferrylm.tokenizer import Tokenizer
 
@@ -162,10 +162,7 @@ def _chat_deltas(ctx: ResponseContext, index: int, out: RequestOutput, tool: Too
                  thinking: ReasoningStream | None) -> list[str]:
     c = out.outputs[0]
     events = []
-    reasoning, answer = thinking.feed(c.text_delta) if thinking is not None else ("", c.text_delta)
-    if out.finished and thinking is not None:
-        more_reasoning, more_answer = thinking.finish()
-        reasoning, answer = reasoning + more_reasoning, answer + more_answer
+    reasoning, answer = split_delta(thinking, c.text_delta, out.finished)
     if reasoning:
         events.append(_chat_chunk(ctx, ChatStreamChoice(index=index, delta=DeltaMessage(
             reasoning=reasoning, reasoning_content=reasoning))))
