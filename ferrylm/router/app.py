@@ -23,6 +23,7 @@ from ferrylm.gateway.reservation import reserved_tokens
 from ferrylm.http import messages_protocol
 from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.http.drain import DrainController
+from ferrylm.http.embeddings_protocol import EmbeddingRequest, as_completion_request
 from ferrylm.http.error_handlers import install_error_handlers
 from ferrylm.http.errors import APIError, parse_model
 from ferrylm.http.messages_protocol import MessagesRequest
@@ -227,13 +228,16 @@ class _Settlement:
                                  cached_tokens=cached if isinstance(cached, int) else 0)
 
 
-RequestModel = type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest] | type[MessagesRequest]
+RequestModel = (type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest] | type[MessagesRequest]
+                | type[EmbeddingRequest])
 
 
 def _parse_request(model_cls: RequestModel, body: dict) -> ChatCompletionRequest | CompletionRequest:
     """The request as the replica will run it: a Responses request counts, routes and is
     validated as the chat request it becomes there (its errors name the Responses fields)."""
     req = parse_model(model_cls, body)
+    if isinstance(req, EmbeddingRequest):
+        return as_completion_request(req)
     if isinstance(req, MessagesRequest):
         return messages_protocol.as_chat_request(req)
     return as_chat_request(req) if isinstance(req, ResponsesRequest) else req
@@ -351,6 +355,12 @@ async def create_response(request: Request) -> Response:
     return await _proxy(request, ResponsesRequest, "/v1/responses", "resp")
 
 
+async def create_embeddings(request: Request) -> Response:
+    """POST /v1/embeddings, proxied to a replica of the model's group (`--runner pooling` there): counted,
+    limited and billed as the prompt-only request it is."""
+    return await _proxy(request, EmbeddingRequest, "/v1/embeddings", "embd")
+
+
 async def create_message(request: Request) -> Response:
     """POST /v1/messages (Anthropic's Messages API), proxied like chat: the replica answers in its shape."""
     return await _proxy(request, MessagesRequest, "/v1/messages", "msg")
@@ -463,6 +473,7 @@ def build_gateway_app(config: GatewayServerConfig, span_exporter: Any = None) ->
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
     app.add_api_route("/v1/messages", create_message, methods=["POST"])
+    app.add_api_route("/v1/embeddings", create_embeddings, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList)
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=ModelCard)
     app.add_api_route("/v1/kv/{rest:path}", kv_refused, methods=["POST"], include_in_schema=False)

@@ -25,6 +25,7 @@ from ferrylm.gateway.ops_auth import require_credential
 from ferrylm.http import messages_protocol
 from ferrylm.http.body import read_json_body
 from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
+from ferrylm.http.embeddings_protocol import EmbeddingRequest, as_completion_request
 from ferrylm.http.error_handlers import install_error_handlers
 from ferrylm.http.errors import APIError, invalid, parse_model
 from ferrylm.http.messages_protocol import CountTokensRequest, MessagesRequest
@@ -51,7 +52,7 @@ from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.server import gatekeeping, inputs, kv_routes, messages, prompts, responses, serving, structured, tokenize
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.config import ServerConfig
-from ferrylm.server.embeddings import EmbeddingRequest, embeddings_shaper
+from ferrylm.server.embeddings import embeddings_shaper
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
@@ -262,7 +263,7 @@ async def create_embeddings(request: Request) -> Response:
     core = engine.model_info
     if req.input == "" or req.input == [] or (isinstance(req.input, list) and any(p in ("", []) for p in req.input)):
         raise invalid("'input' must not be empty (nor hold an empty string or token list).", "input")
-    as_completion = CompletionRequest.model_validate({"model": req.model, "prompt": req.input, "max_tokens": 0})
+    as_completion = as_completion_request(req)
     check_num_sequences(prompts.completion_prompt_count(as_completion), 1, state.config.max_sequences_per_request)
     try:
         prompt_ids = await prompts.completion_prompt_ids(core.tokenizer, as_completion, core.vocab_size,
@@ -273,7 +274,8 @@ async def create_embeddings(request: Request) -> Response:
         e.param = "input" if e.param == "prompt" else e.param
         e.message = e.message.replace("'prompt'", "'input'")
         raise
-    params = SamplingParams(max_tokens=0, pooling=state.config.pooling_type, normalize=state.config.pooling_normalize)
+    params = SamplingParams(max_tokens=0, pooling=state.config.pooling_type, normalize=state.config.pooling_normalize,
+                            cache_salt=req.cache_salt)
     ctx = ResponseContext(ctx_id, model, core.tokenizer)
     return await _serve(request, state, engine, ctx, prompt_ids, params, req, serving.stream_chat,  # never streams
                         embeddings_shaper(req))

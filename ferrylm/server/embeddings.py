@@ -9,26 +9,13 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import Any, ClassVar, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from ferrylm.http.embeddings_protocol import EmbeddingRequest
 from ferrylm.http.errors import invalid
 from ferrylm.outputs import RequestOutput
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.serving import ResponseContext, log_finished, usage
-
-
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # anything else would be ignored: refused by name instead
-
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
-    priority: int | None = 0  # vLLM's
-    stream: ClassVar[bool] = False  # what app._serve asks of a request
 
 
 def _encoded(vector: list[float], fmt: str) -> list[float] | str:

@@ -96,3 +96,31 @@ def test_a_pooling_server_does_not_generate_and_a_generating_one_does_not_embed(
         pooling["last"].client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):
         api_server.client().embeddings.create(model=MODEL, input="hi")
+
+
+def test_through_the_gateway_counted_and_billed(pooling, tmp_path) -> None:
+    """`ferrylm gateway --require-auth` in front of the pooling replica: a tenant's key gets the same
+    vectors as the replica gives directly, and the audit row bills the prompt tokens the usage says."""
+    import sqlite3
+
+    from tests.e2e.server_process import make_keys
+
+    db = tmp_path / "gw.db"
+    keys = make_keys(f"sqlite:///{db}", {"embedder": {}})
+    gateway = ServerProcess("--upstream", pooling["last"].base_url, "--require-auth", "--state-db",
+                            f"sqlite:///{db}", "--poll-interval", "0.25", command="gateway")
+    try:
+        gateway.wait_ready(60)
+        with pytest.raises(openai.AuthenticationError):
+            gateway.client(api_key="wrong").embeddings.create(model=MODEL, input=TEXTS[0])
+        via = gateway.client(api_key=keys["embedder"]).embeddings.create(model=MODEL, input=TEXTS,
+                                                                         encoding_format="float")
+        direct = pooling["last"].client().embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+        for a, b in zip(via.data, direct.data):
+            assert torch.allclose(torch.tensor(a.embedding), torch.tensor(b.embedding), atol=1e-5)
+        with sqlite3.connect(db) as conn:
+            row = conn.execute("SELECT tenant, prompt_tokens, completion_tokens FROM audit_log WHERE status = 200 "
+                               "ORDER BY id DESC LIMIT 1").fetchone()
+        assert row == ("embedder", via.usage.prompt_tokens, 0)
+    finally:
+        gateway.stop()
