@@ -129,13 +129,15 @@ def pooler_from_args(args: argparse.Namespace) -> dict:
 
     from ferrylm.config import ConfigError
 
-    pooler = {}
+    pooler: dict = {}
     if args.pooler_config:
         try:
-            pooler = json.loads(args.pooler_config)
-            assert isinstance(pooler, dict)
-        except (ValueError, AssertionError):
-            raise ConfigError("--pooler-config must be a JSON object, e.g. '{\"pooling_type\": \"MEAN\"}'") from None
+            parsed = json.loads(args.pooler_config)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ConfigError("--pooler-config must be a JSON object, e.g. '{\"pooling_type\": \"MEAN\"}'")
+        pooler = parsed
         unknown = set(pooler) - {"pooling_type", "normalize"}
         if unknown:
             raise ConfigError(f"--pooler-config: {', '.join(sorted(unknown))} not supported (pooling_type, normalize)")

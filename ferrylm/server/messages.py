@@ -18,15 +18,13 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from ferrylm.engine.client import EngineDeadError
 from ferrylm.http import safe_json
-from ferrylm.http.errors import APIError
 from ferrylm.http.messages_protocol import anthropic_error_body
 from ferrylm.http.protocol import ToolCall
 from ferrylm.outputs import FinishReason, RequestOutput
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.reasoning import ReasoningStream, split_delta
-from ferrylm.server.serving import ResponseContext, log_finished, usage
+from ferrylm.server.serving import ResponseContext, guarded, log_finished, usage
 from ferrylm.server.tools import ToolStream
 
 
@@ -86,28 +84,14 @@ def messages_response(ctx: ResponseContext, fanout: Fanout, finals: list[Request
 
 
 def messages_stream(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:
-    """The streamed answer (app._serve's `streamer`)."""
-    return _guarded(ctx, fanout, _events(ctx, fanout))
+    """The streamed answer (app._serve's `streamer`): serving.guarded's skeleton, a failure as
+    Anthropic's in-band `error` event and no [DONE] (Anthropic's stream ends with message_stop)."""
+    return guarded(ctx, fanout, _events(ctx, fanout), end=None,
+                   error_event=lambda err: _event("error", error=anthropic_error_body(err)["error"]))
 
 
 def _event(kind: str, **fields: Any) -> str:
     return f"event: {kind}\ndata: {safe_json.dumps({'type': kind, **fields})}\n\n"
-
-
-async def _guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncGenerator[str, None]
-                   ) -> AsyncGenerator[str, None]:
-    """A failure after the status line becomes Anthropic's in-band `error` event; the fanout is
-    closed however the stream ends (no [DONE]: Anthropic's stream ends with message_stop)."""
-    try:
-        async for event in body:
-            yield event
-    except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
-        err = e if isinstance(e, APIError) else APIError(503, "The engine stopped; retry on another replica.") \
-            if isinstance(e, EngineDeadError) else APIError(500, f"The stream failed: {e}")
-        yield _event("error", error=anthropic_error_body(err)["error"])
-    finally:
-        await body.aclose()
-        await fanout.aclose()
 
 
 async def _events(ctx: ResponseContext, fanout: Fanout) -> AsyncGenerator[str, None]:

@@ -218,30 +218,33 @@ def _closing_events(ctx: ResponseContext, fanout: Fanout, usage_chunk: Callable,
     return events
 
 
-async def guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
-    """The SSE skeleton both endpoints share: a failure is reported in-band (the status line is
-    already sent, as OpenAI does), the fanout is closed however the stream ends, [DONE] comes last."""
+async def guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncGenerator[str, None],
+                  error_event: Callable[[APIError], str] | None = None, end: str | None = DONE
+                  ) -> AsyncGenerator[str, None]:
+    """The SSE skeleton every streaming endpoint shares: a failure is reported in-band (the status
+    line is already sent, as OpenAI does; `error_event` shapes it, OpenAI's error chunk by default),
+    the fanout is closed however the stream ends, `end` ([DONE]; None for Anthropic's) comes last."""
     try:
         async for event in body:
             yield event
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band like OpenAI
-        yield _stream_error(ctx, e)
+        err = _stream_failure(ctx, e)
+        yield error_event(err) if error_event is not None else sse(err.body())
     except BaseException:  # closed or cancelled: the client went away (or the server is stopping)
         log.info("stream closed early; request aborted", extra={"request_id": ctx.request_id})
         raise
     finally:
         await body.aclose()
         await fanout.aclose()
-    yield DONE
+    if end is not None:
+        yield end
 
 
-def _stream_error(ctx: ResponseContext, exc: Exception) -> str:
+def _stream_failure(ctx: ResponseContext, exc: Exception) -> APIError:
     log.error("stream failed", exc_info=exc, extra={"request_id": ctx.request_id})
     if isinstance(exc, EngineDeadError):
-        err = APIError(503, "The engine stopped; retry on another replica.", code="engine_dead")
-    else:
-        err = exc if isinstance(exc, APIError) else APIError(500, f"The stream failed: {exc}")
-    return sse(err.body())
+        return APIError(503, "The engine stopped; retry on another replica.", code="engine_dead")
+    return exc if isinstance(exc, APIError) else APIError(500, f"The stream failed: {exc}")
 
 
 # -- completions -----------------------------------------------------------------------------
