@@ -50,6 +50,16 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param, code)
 
 
+def engine_dead() -> APIError:
+    """503: the engine loop stopped under a request (or before it); another replica can serve it."""
+    return APIError(503, "The engine stopped; retry on another replica.", code="engine_dead")
+
+
+def model_not_found(name: str | None) -> APIError:
+    """404: a model name no replica or served name answers to, as OpenAI words it."""
+    return APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+
 def from_validation_error(errors: Sequence[Any]) -> APIError:
     """The first pydantic error as a 400 naming the offending field, like OpenAI's "Invalid 'x': ..."."""
     if not errors:

@@ -25,7 +25,7 @@ from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_d
 from ferrylm.http.drain import DrainController
 from ferrylm.http.embeddings_protocol import EmbeddingRequest, as_completion_request
 from ferrylm.http.error_handlers import install_error_handlers
-from ferrylm.http.errors import APIError, parse_model
+from ferrylm.http.errors import APIError, model_not_found, parse_model
 from ferrylm.http.messages_protocol import MessagesRequest
 from ferrylm.http.middleware import RequestIdMiddleware, new_request_id
 from ferrylm.http.protocol import (
@@ -270,7 +270,7 @@ async def _proxy_admitted(request: Request, state: GatewayState, model_cls: Requ
     responses = model_cls is ResponsesRequest or model_cls is MessagesRequest  # their streams always carry usage
     group = state.registry.resolve(req.model)
     if group is None:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+        raise model_not_found(req.model)
     request.state.request_id = request_id = request.state.request_id or new_request_id(prefix)
     salt = _cache_salt(state, principal, body)
     ctx = await _route_context(state, group, req, salt)
@@ -383,7 +383,7 @@ async def _utility(request: Request, model_cls: type[TokenizeRequest] | type[Det
     req = parse_model(model_cls, body)
     group = state.registry.resolve(req.model)
     if group is None:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+        raise model_not_found(req.model)
     if principal is not None:
         check_model(principal, group.name)  # the tenant's model allowlist, as on generation routes
     request_id = request.state.request_id or new_request_id("tok")
@@ -423,7 +423,7 @@ async def retrieve_model(request: Request, model_id: str) -> ModelCard:
         await state.gateway.authenticate(request.headers)
     card = _model_cards(state).get(model_id)
     if card is None:
-        raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
+        raise model_not_found(model_id)
     return card
 
 

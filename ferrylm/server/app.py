@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from ferrylm.engine.async_engine import AsyncEngine
 from ferrylm.engine.client import EngineClient, EngineDeadError
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
@@ -27,7 +28,7 @@ from ferrylm.http.body import read_json_body
 from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.http.embeddings_protocol import EmbeddingRequest, as_completion_request
 from ferrylm.http.error_handlers import install_error_handlers
-from ferrylm.http.errors import APIError, invalid, parse_model
+from ferrylm.http.errors import APIError, engine_dead, invalid, parse_model
 from ferrylm.http.messages_protocol import CountTokensRequest, MessagesRequest
 from ferrylm.http.middleware import RequestIdMiddleware, new_request_id
 from ferrylm.http.protocol import (
@@ -92,7 +93,7 @@ async def _start(state: ServerState, engine: EngineClient, ctx: ResponseContext,
     except (RequestRejected, SamplingParamsError) as e:
         raise invalid(str(e), getattr(e, "param", None)) from None
     except EngineDeadError:
-        raise APIError(503, "The engine stopped; retry on another replica.", code="engine_dead") from None
+        raise engine_dead() from None
     return fanout
 
 
@@ -132,7 +133,7 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
         return Response(status_code=499)
     except EngineDeadError:
         status = 503
-        raise APIError(503, "The engine stopped; retry on another replica.", code="engine_dead") from None
+        raise engine_dead() from None
     finally:
         await gatekeeping.finish(state, admission, status, fanout, started)
         if trace is not None:
@@ -376,11 +377,17 @@ async def ops_auth(request: Request) -> None:
         await require_credential(request.headers, state.config.api_key, state.gateway)
 
 
-async def debug_stall(request: Request, seconds: float) -> dict:
-    """Test hook (FERRYLM_TEST_HOOKS=1 only): wedge the engine loop for `seconds`."""
+def _hooked_engine(request: Request) -> AsyncEngine:
+    """The engine a test hook acts on, loaded or not yet warm (503 before it exists)."""
     engine = _state(request).engine
     if engine is None:
         raise APIError(503, "The model is still loading.", code="model_loading")
+    return engine
+
+
+async def debug_stall(request: Request, seconds: float) -> dict:
+    """Test hook (FERRYLM_TEST_HOOKS=1 only): wedge the engine loop for `seconds`."""
+    engine = _hooked_engine(request)
     engine.stall_for(seconds)
     return {"stalled_for": seconds}
 
@@ -388,9 +395,7 @@ async def debug_stall(request: Request, seconds: float) -> dict:
 async def debug_kv(request: Request) -> dict:
     """Test hook (FERRYLM_TEST_HOOKS=1 only): check the engine's invariants between two steps and
     report the KV blocks held, so the fault suite can prove nothing leaked once the server is idle."""
-    engine = _state(request).engine
-    if engine is None:
-        raise APIError(503, "The model is still loading.", code="model_loading")
+    engine = _hooked_engine(request)
     check = getattr(engine, "check_invariants", None)
     if check is not None:
         await asyncio.to_thread(check)

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from ferrylm.engine.client import EngineDeadError
 from ferrylm.http import safe_json
-from ferrylm.http.errors import APIError
+from ferrylm.http.errors import APIError, engine_dead
 from ferrylm.http.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -243,7 +243,7 @@ async def guarded(ctx: ResponseContext, fanout: Fanout, body: AsyncGenerator[str
 def _stream_failure(ctx: ResponseContext, exc: Exception) -> APIError:
     log.error("stream failed", exc_info=exc, extra={"request_id": ctx.request_id})
     if isinstance(exc, EngineDeadError):
-        return APIError(503, "The engine stopped; retry on another replica.", code="engine_dead")
+        return engine_dead()
     return exc if isinstance(exc, APIError) else APIError(500, f"The stream failed: {exc}")
 
 

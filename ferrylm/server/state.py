@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from ferrylm.engine.async_engine import AsyncEngine
 from ferrylm.engine.engine import Engine
 from ferrylm.http.drain import DrainController
-from ferrylm.http.errors import APIError
+from ferrylm.http.errors import APIError, engine_dead, model_not_found
 from ferrylm.load_report import LoadReport
 from ferrylm.observability.dashboard.readings import server_reader
 from ferrylm.observability.dashboard.sampler import DashboardSampler, Health
@@ -120,7 +120,7 @@ class ServerState:
         if self.engine is None or not self.ready:
             raise APIError(503, "The model is still loading; retry shortly.", code="model_loading")
         if not self.engine.is_running:
-            raise APIError(503, "The engine stopped; retry on another replica.", code="engine_dead")
+            raise engine_dead()
         return self.engine
 
     def resolve_model(self, requested: str | None) -> str:
@@ -128,5 +128,5 @@ class ServerState:
         if requested is None:
             return self.config.model_name
         if requested not in self.config.served_model_names:
-            raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
+            raise model_not_found(requested)
         return requested
