@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ferrylm.http.chat_dialect import ChatDialect, in_dialect_terms, joined_text
 from ferrylm.http.errors import APIError, invalid, parse_model
 from ferrylm.http.protocol import (
     ChatCompletionRequest,
@@ -40,6 +41,9 @@ NO_EFFECT = ("cache_control", "inference_geo", "speed", "service_tier", "diagnos
 MESSAGES_PARAMS = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
                    "tool_choice": "tool_choice", "tools": "tools", "response_format": "output_config.format",
                    "response_format.json_schema": "output_config.format"}
+MESSAGES = ChatDialect(("text",), "{where}: expected a string or a list of text blocks.",
+                       "{where}.{j}: only text blocks are supported here (got {kind!r}).", MESSAGES_PARAMS,
+                       (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences")))
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -111,21 +115,6 @@ class CountTokensRequest(BaseModel):
     tool_choice: MessagesToolChoice | None = None
 
 
-def _text_blocks(content: Any, where: str) -> str:
-    """The text of a string or a list of `text` blocks (system prompt, tool result)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}: expected a string or a list of text blocks.", where)
-    texts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise invalid(f"{where}.{j}: only text blocks are supported here (got {kind!r}).", f"{where}.{j}.type")
-        texts.append(block["text"])
-    return "\n".join(texts)
-
-
 def _assistant(content: Any, where: str) -> ChatMessage:
     if isinstance(content, str):
         return ChatMessage(role="assistant", content=content)
@@ -164,7 +153,7 @@ def _user(content: Any, where: str) -> list[ChatMessage]:
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise invalid(f"{where}.{j}: a tool_result block needs tool_use_id.", f"{where}.{j}.tool_use_id")
-            text = _text_blocks(block.get("content", ""), f"{where}.{j}.content")
+            text = joined_text(block.get("content", ""), f"{where}.{j}.content", MESSAGES)
             if block.get("is_error"):
                 text = f"Error: {text}"
             results.append(ChatMessage(role="tool", tool_call_id=block["tool_use_id"], content=text))
@@ -176,7 +165,7 @@ def _user(content: Any, where: str) -> list[ChatMessage]:
 
 def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[ChatMessage]:
     """The chat conversation of a Messages request's `system` and `messages`."""
-    out = [ChatMessage(role="system", content=_text_blocks(system, "system"))] if system else []
+    out = [ChatMessage(role="system", content=joined_text(system, "system", MESSAGES))] if system else []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         where = f"messages.{i}.content"
@@ -246,19 +235,11 @@ def count_tokens_chat_request(request: CountTokensRequest) -> ChatCompletionRequ
         "tool_choice": choice, "parallel_tool_calls": parallel})
 
 
-def in_messages_terms(error: APIError) -> APIError:
-    """An error about the chat request a Messages request became, naming the Messages field."""
-    error.param = MESSAGES_PARAMS.get(error.param or "", error.param)
-    error.message = error.message.replace("'max_completion_tokens'", "'max_tokens'").replace(
-        "'stop'", "'stop_sequences'")
-    return error
-
-
 def as_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
     try:
         return to_chat_request(request)
     except APIError as e:
-        raise in_messages_terms(e) from None
+        raise in_dialect_terms(e, MESSAGES) from None
 
 
 def anthropic_error_body(error: APIError) -> dict[str, Any]:

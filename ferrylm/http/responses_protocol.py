@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ferrylm.http.chat_dialect import ChatDialect, in_dialect_terms, joined_text
 from ferrylm.http.errors import APIError, invalid, parse_model
 from ferrylm.http.protocol import (
     ChatCompletionRequest,
@@ -34,11 +35,14 @@ from ferrylm.http.protocol import (
 UNSUPPORTED: dict[str, tuple] = {"previous_response_id": (), "conversation": (), "background": (False,),
                                  "include": ([],), "reasoning": ({},), "prompt": (), "truncation": ("disabled",),
                                  "max_tool_calls": (), "top_logprobs": (0,)}
-_TEXT_PARTS = ("input_text", "output_text", "text")
 # chat fields (as errors name them) → the Responses fields they came from
 RESPONSES_PARAMS = {"response_format": "text.format", "response_format.json_schema": "text.format",
                     "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                     "messages": "input"}
+RESPONSES = ChatDialect(("input_text", "output_text", "text"),
+                        "Invalid '{where}': expected a string or a list of text parts.",
+                        "Invalid '{where}[{j}]': only text parts are supported (got {kind!r}).", RESPONSES_PARAMS,
+                        (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens")))
 
 
 class TextFormat(BaseModel):
@@ -88,21 +92,6 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None  # vLLM's extra (Responses has none)
 
 
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"Invalid '{where}': expected a string or a list of text parts.", where)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise invalid(f"Invalid '{where}[{j}]': only text parts are supported (got {kind!r}).",
-                          f"{where}.{j}.type")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
 def _messages(request: ResponsesRequest) -> list[ChatMessage]:
     items = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else request.input
     messages = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
@@ -112,7 +101,8 @@ def _messages(request: ResponsesRequest) -> list[ChatMessage]:
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
                 raise invalid(f"Invalid 'input[{i}].role': {role!r}.", f"input.{i}.role")
-            messages.append(ChatMessage(role=role, content=_text(item.get("content", ""), f"input.{i}.content")))
+            content = joined_text(item.get("content", ""), f"input.{i}.content", RESPONSES)
+            messages.append(ChatMessage(role=role, content=content))
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise invalid(f"Invalid 'input[{i}]': a function_call needs call_id, name and arguments.",
@@ -126,8 +116,8 @@ def _messages(request: ResponsesRequest) -> list[ChatMessage]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise invalid(f"Invalid 'input[{i}]': a function_call_output needs call_id.", f"input.{i}.call_id")
-            messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"],
-                                        content=_text(item.get("output", ""), f"input.{i}.output")))
+            output = joined_text(item.get("output", ""), f"input.{i}.output", RESPONSES)
+            messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"], content=output))
         else:
             raise invalid(f"Invalid 'input[{i}].type': {kind!r} items are not supported.", f"input.{i}.type")
     return messages
@@ -170,17 +160,9 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         "parallel_tool_calls": request.parallel_tool_calls, "response_format": _response_format(request)})
 
 
-def in_responses_terms(error: APIError) -> APIError:
-    """An error about the chat request a Responses request became, naming the Responses field."""
-    error.param = RESPONSES_PARAMS.get(error.param or "", error.param)
-    error.message = error.message.replace("'response_format'", "'text.format'").replace(
-        "'max_completion_tokens'", "'max_output_tokens'")
-    return error
-
-
 def as_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     """to_chat_request, its errors naming the Responses fields (what `ferrylm gateway` validates)."""
     try:
         return to_chat_request(request)
     except APIError as e:
-        raise in_responses_terms(e) from None
+        raise in_dialect_terms(e, RESPONSES) from None

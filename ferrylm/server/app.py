@@ -25,6 +25,7 @@ from ferrylm.engine.scheduler import RequestRejected
 from ferrylm.gateway.ops_auth import require_credential
 from ferrylm.http import messages_protocol
 from ferrylm.http.body import read_json_body
+from ferrylm.http.chat_dialect import in_dialect_terms
 from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.http.embeddings_protocol import EmbeddingRequest, as_completion_request
 from ferrylm.http.error_handlers import install_error_handlers
@@ -45,7 +46,7 @@ from ferrylm.http.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from ferrylm.http.responses_protocol import ResponsesRequest, as_chat_request, in_responses_terms
+from ferrylm.http.responses_protocol import RESPONSES, ResponsesRequest, as_chat_request
 from ferrylm.http.safe_json import SafeJSONResponse
 from ferrylm.observability.dashboard.routes import dashboard_router
 from ferrylm.observability.metrics import SequenceTimer
@@ -211,7 +212,7 @@ async def create_response(request: Request) -> Response:
     try:
         params, tool_plan, prompt = await _chat_inputs(request, engine, req, "input")
     except APIError as e:  # name the Responses field, not the chat one it became
-        raise in_responses_terms(e) from None
+        raise in_dialect_terms(e, RESPONSES) from None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan,
                           reasoning=parser_for(state.config.reasoning_parser))
     echo = responses.echo_fields(body)
@@ -234,7 +235,7 @@ async def create_message(request: Request) -> Response:
     try:
         params, tool_plan, prompt = await _chat_inputs(request, engine, req, "messages")
     except APIError as e:
-        raise messages_protocol.in_messages_terms(e) from None
+        raise in_dialect_terms(e, messages_protocol.MESSAGES) from None
     ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan,
                           reasoning=parser_for(state.config.reasoning_parser))
     return await _serve(request, state, engine, ctx, [prompt], params, req, messages.messages_stream,
@@ -295,7 +296,7 @@ async def count_message_tokens(request: Request) -> JSONResponse:
         inputs.chat_params(req, engine.model_info.vocab_size)
         prompt = await prompts.chat_prompt_ids(engine.model_info.tokenizer, req, engine.model_info.max_model_len)
     except APIError as e:
-        raise messages_protocol.in_messages_terms(e) from None
+        raise in_dialect_terms(e, messages_protocol.MESSAGES) from None
     return JSONResponse({"input_tokens": len(prompt)})
 
 
