@@ -9,90 +9,15 @@ import time
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face model directory")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    from ferrylm.config import QUANTIZATION_CHOICES
+    from ferrylm.engine_args import add_engine_flags
 
-    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
-                   help="weights kept quantized at run time: int8 / int4[-gN] (quantized at load), gguf (a GGUF "
-                        "file's blocks kept packed), fp8 (CUDA), none; default: GGUF packed on CPU, else none")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="at most this many prompt tokens of one request per step (0: no cap): smaller chunks keep "
-                        "other requests' inter-token latency lower while a long prompt is prefilled")
-    p.add_argument("--decode-isolation-headroom", type=float, default=0.0,
-                   help="while one tenant's requests decode, another tenant's prompt tokens may lengthen a step by "
-                        "at most this fraction of its decode-only time (0: off; tenants are told apart by cache salt)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the KV pool (CPU)")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="the KV pool's size in blocks, whatever the memory budget and the dtype (vLLM's flag; "
-                        "on the CPU too): the same pool on every machine")
-    from ferrylm.config import KV_CACHE_DTYPE_CHOICES
-
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
-                   help="K/V storage: auto (the model's dtype), fp8 (= fp8_e4m3, per-tensor scale), fp8_e5m2, "
-                        "int8 (a scale per token and KV head); 1-byte codes hold twice the tokens")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights, activations and the KV pool (CUDA)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    from ferrylm.config import PREEMPTION_MODES, CacheConfig, SchedulerConfig
-
-    p.add_argument("--swap-space", type=float, default=CacheConfig.swap_space,
-                   help="GiB of host memory for KV blocks of requests preempted by swap (0: no swap)")
-    p.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode, choices=PREEMPTION_MODES,
-                   help="a request preempted for KV blocks: recompute (re-prefill it later), swap (copy its blocks "
-                        "to host memory and back), auto (per request, whichever the cost model says is cheaper)")
-    from ferrylm.config import EngineConfig
-
-    p.add_argument("--grammar-compile-timeout", type=float, default=EngineConfig.grammar_compile_timeout_s,
-                   help="seconds one structured-output constraint may take to compile (in a worker process, "
-                        "killed past it); the request then gets a 400")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineConfig.enforce_eager,
-                   help="run every step eagerly: no compiled decode step (CPU; compiled at start-up, cached "
-                        "under $FERRYLM_CACHE_DIR) and no CUDA graphs")
-    p.add_argument("--speculative-config", type=_speculative_config, default=None,
-                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' (prompt_lookup_min, disable_by_batch_size optional); '
-                        '"draft_model" with "model" (same vocabulary); "layer_skip" with "num_layers"')
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks holding a shard of every layer (torch.distributed; ranks 1.. are spawned here, or "
-                        "joined from torchrun: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="mixture-of-experts models under --tensor-parallel-size: place whole experts on the ranks "
-                        "instead of splitting every expert's columns")
-
-
-def _speculative_config(value: str):
-    """argparse type: a bad --speculative-config is a usage error at start-up, naming what is wrong."""
-    from ferrylm.config import ConfigError, SpeculativeConfig
-
-    try:
-        return SpeculativeConfig.parse(value)
-    except (ConfigError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    add_engine_flags(p)
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ferrylm.engine_args import engine_config_from_args as from_args
 
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        enforce_eager=args.enforce_eager, speculative=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size, grammar_compile_timeout_s=args.grammar_compile_timeout,
-        enable_expert_parallel=args.enable_expert_parallel,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          num_blocks=args.num_gpu_blocks_override,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching, cache_dtype=args.kv_cache_dtype,
-                          swap_space=args.swap_space),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
-                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
-                                  decode_isolation_headroom=args.decode_isolation_headroom))
+    return from_args(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 
 class ConfigError(ValueError):
     """A configuration value a user gave is invalid."""
+
+
+def option(default: Any, help: str, *, name: str | None = None, choices: tuple[str, ...] | None = None,
+           parse: Callable[[str], Any] | None = None, short: str | None = None) -> Any:
+    """A config field that is also an engine flag and an `LLM()` keyword (engine_args.py generates both):
+    its default and help text live here only. `name`: the flag/keyword when it differs from the field's
+    (vLLM's spelling); `parse`: the flag's text to the field's value."""
+    return field(default=default, metadata={"help": help, "name": name, "choices": choices, "parse": parse,
+                                             "short": short})
 
 
 @dataclass(frozen=True)
@@ -66,13 +77,19 @@ class CacheConfig:
     the dtype K/V are stored in (`cache_dtype`, --kv-cache-dtype: 1-byte fp8 / int8 codes hold twice
     the tokens of bf16 in the same kv_cache_memory; model/attention/kv_quant.py has the layout)."""
 
-    block_size: int = 16
-    num_blocks: int | None = None  # derived from kv_cache_memory when None
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool on CPU
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    cache_dtype: str = "auto"
-    swap_space: float = 4.0  # --swap-space: GiB of host memory for swapped-out KV blocks (vLLM's); 0: no swap
+    block_size: int = option(16, "tokens per KV block (a power of two)")
+    num_blocks: int | None = option(None, "the KV pool's size in blocks, whatever the memory budget and the dtype "
+                                          "(vLLM's flag; on the CPU too): the same pool on every machine",
+                                    name="num_gpu_blocks_override")
+    kv_cache_memory: int = option(1 << 30, "bytes for the KV pool (CPU); unused with --num-gpu-blocks-override")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights, activations and the KV "
+                                                "pool (CUDA)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a prompt prefix seen before (per cache "
+                                               "salt: tenants never share)")
+    cache_dtype: str = option("auto", "K/V storage: auto (the model's dtype), fp8 (= fp8_e4m3, per-tensor "
+                                      "scale), fp8_e5m2, int8 (a scale per token and KV head); 1-byte codes "
+                                      "hold twice the tokens", name="kv_cache_dtype", choices=KV_CACHE_DTYPE_CHOICES)
+    swap_space: float = option(4.0, "GiB of host memory for KV blocks of requests preempted by swap (0: no swap)")
 
     def __post_init__(self) -> None:
         if not self.swap_space >= 0:
@@ -93,23 +110,21 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 class SchedulerConfig:
     """Per-step limits of the iteration-level scheduler (vLLM names)."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # defaults to the model's context length
+    max_num_seqs: int = option(64, "requests running at once (one batch row each)")
+    max_num_batched_tokens: int = option(512, "tokens one step may hold: decodes plus prompt chunks")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's context)")
     enable_chunked_prefill: bool = True
-    # --long-prefill-token-threshold (vLLM's): at most this many prompt tokens of one request per step
-    # (0: no cap). A long prompt then shares steps with decodes in small chunks: the other requests'
-    # inter-token latency rises less per step, the prompt's own time to first token more.
-    long_prefill_token_threshold: int = 0
-    # --preemption-mode: what a request preempted for KV blocks loses. recompute: its blocks (re-prefilled
-    # later); swap: they are copied to host memory (--swap-space) and back; auto: per request, whichever
-    # costs less (engine/preemption.py)
-    preemption_mode: str = "auto"
-    # --decode-isolation-headroom (FerryLM's; 0: off): while requests of one tenant (one cache salt: both
-    # front doors salt per tenant) decode, another tenant's prompt tokens may lengthen a step by at most
-    # this fraction of its decode-only time (engine/step_cost.py learns what a token costs here), at
-    # least 1 token a step. That tenant's time to first token pays for the others' inter-token latency.
-    decode_isolation_headroom: float = 0.0
+    long_prefill_token_threshold: int = option(
+        0, "at most this many prompt tokens of one request per step (0: no cap): smaller chunks keep other "
+           "requests' inter-token latency lower while a long prompt is prefilled, its own TTFT higher")
+    preemption_mode: str = option(
+        "auto", "a request preempted for KV blocks: recompute (re-prefill it later), swap (copy its blocks to "
+                "host memory and back, --swap-space), auto (per request, whichever engine/preemption.py's cost "
+                "model says is cheaper)", choices=PREEMPTION_MODES)
+    decode_isolation_headroom: float = option(
+        0.0, "while one tenant's requests decode, another tenant's prompt tokens may lengthen a step by at most "
+             "this fraction of its decode-only time (engine/step_cost.py learns a token's cost; at least 1 token "
+             "a step; 0: off; tenants are told apart by cache salt, which both front doors set per tenant)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.decode_isolation_headroom <= 100:
@@ -234,20 +249,32 @@ def check_speculative_with_tp(speculative: SpeculativeConfig | None, tensor_para
 class EngineConfig:
     """Everything the engine needs: which model, its dtype/device, the cache and the scheduler."""
 
-    model: str = "smollm2-135m"
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "cpu"
+    model: str = option("smollm2-135m", "alias, .gguf file or Hugging Face model directory")
+    dtype: str = option("auto", "weights' and activations' dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = option("cpu", "cpu, cuda or cuda:N")
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    quantization: str | None = None  # --quantization; None: GGUF kept packed where a kernel runs, else none
-    enforce_eager: bool = False  # --enforce-eager: no compiled decode step (CPU) and no CUDA graphs
-    speculative: SpeculativeConfig | None = None  # --speculative-config
-    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks holding a shard of every layer
-    # --enable-expert-parallel (vLLM's): an MoE model's experts are placed whole on the ranks (each rank
-    # its share of them) instead of every rank holding a slice of every expert
-    enable_expert_parallel: bool = False
-    grammar_compile_timeout_s: float = 5.0  # --grammar-compile-timeout: a structured-output compile past it is a 400
+    quantization: str | None = option(
+        None, "weights kept quantized at run time: int8 / int4[-gN] (quantized at load), gguf (a GGUF file's "
+              "blocks kept packed), fp8 (CUDA), awq / gptq (a pre-quantized checkpoint), none; default: GGUF "
+              "packed on CPU, a checkpoint's quantization_config, else none", choices=QUANTIZATION_CHOICES)
+    enforce_eager: bool = option(False, "run every step eagerly: no compiled decode step (CPU; compiled at "
+                                        "start-up, cached under $FERRYLM_CACHE_DIR) and no CUDA graphs")
+    speculative: SpeculativeConfig | None = option(
+        None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_max": 4}\' (prompt_lookup_min, disable_by_batch_size optional); "draft_model" '
+              'with "model" (same vocabulary); "layer_skip" with "num_layers"',
+        name="speculative_config", parse=lambda text: SpeculativeConfig.parse(text))
+    tensor_parallel_size: int = option(
+        1, "ranks holding a shard of every layer (torch.distributed; ranks 1.. are spawned here, or joined "
+           "from torchrun: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)", short="-tp")
+    enable_expert_parallel: bool = option(
+        False, "mixture-of-experts models under --tensor-parallel-size: place whole experts on the ranks "
+               "instead of splitting every expert's columns (vLLM's flag)")
+    grammar_compile_timeout_s: float = option(
+        5.0, "seconds one structured-output constraint may take to compile (in a worker process, killed past "
+             "it); the request then gets a 400", name="grammar_compile_timeout")
 
     def __post_init__(self) -> None:
         if self.quantization is not None:

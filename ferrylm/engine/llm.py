@@ -8,9 +8,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.parallel_sampling import ParentRequest
+from ferrylm.engine_args import engine_config
 from ferrylm.outputs import RequestOutput
 from ferrylm.sampling_params import SamplingParams
 
@@ -20,33 +20,13 @@ PromptType = str | dict[str, Any]  # "text" or {"prompt_token_ids": [...]} or {"
 class LLM:
     """`LLM(model="smollm2-135m").generate(prompts, SamplingParams(...))`, like vLLM's."""
 
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_model_len: int | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30, num_gpu_blocks: int | None = None,
-                 device: str = "cpu", seed: int = 0, quantization: str | None = None, enforce_eager: bool = False,
-                 kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
-                 tensor_parallel_size: int = 1, swap_space: float = 4.0, preemption_mode: str = "auto",
-                 long_prefill_token_threshold: int = 0, enable_expert_parallel: bool = False,
-                 decode_isolation_headroom: float = 0.0):
-        """`quantization`: vLLM's flag name; "none", "int8", "int4" (-g32/-g64/-g128/-g256: inputs per
-        scale), "gguf" (keep a GGUF file's blocks packed) or "fp8" (CUDA). Unset: a GGUF model stays
-        packed where a packed kernel runs (the CPU), anything else is unquantized.
-        `kv_cache_dtype`: vLLM's too; "auto" (the model's dtype), "fp8" / "fp8_e4m3", "fp8_e5m2", "int8".
-        `speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4}
-        (config.SpeculativeConfig). `tensor_parallel_size`: vLLM's; ranks 1.. are spawned processes
-        (model/parallel/tp_worker.py) until `shutdown()`. `swap_space` (GiB of host memory) and `preemption_mode`
-        ("auto" | "recompute" | "swap"): vLLM's, how a request preempted for KV blocks is resumed."""
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed, quantization=quantization, enforce_eager=enforce_eager,
-            speculative=SpeculativeConfig.parse(speculative_config), tensor_parallel_size=tensor_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_gpu_blocks, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype,
-                              swap_space=swap_space),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, preemption_mode=preemption_mode,
-                                      long_prefill_token_threshold=long_prefill_token_threshold,
-                                      decode_isolation_headroom=decode_isolation_headroom))
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", **kwargs: Any):
+        """Keywords are the engine flags' names with underscores, defaults and meaning in config.py
+        (`ferrylm serve --help` lists them): e.g. max_num_seqs, quantization, kv_cache_dtype,
+        speculative_config (a dict or vLLM's JSON), tensor_parallel_size (ranks 1.. are spawned processes
+        until `shutdown()`), swap_space, preemption_mode, num_gpu_blocks_override, enforce_eager, seed.
+        An unknown keyword is a TypeError naming it."""
+        config = engine_config(model=model, dtype=dtype, **kwargs)
         self.engine = Engine.from_config(config)
         self._ids = itertools.count()
 

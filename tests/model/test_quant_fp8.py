@@ -60,6 +60,6 @@ def test_fp8_tiny_model_end_to_end(tmp_path):
 
     directory = make_tiny_model("llama", tmp_path / "llama")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    fp8 = LLM(str(directory), dtype="bfloat16", device="cuda", quantization="fp8", num_gpu_blocks=64)
+    fp8 = LLM(str(directory), dtype="bfloat16", device="cuda", quantization="fp8", num_gpu_blocks_override=64)
     out = fp8.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(out) == 8 and all(0 <= t < 320 for t in out)

@@ -152,7 +152,7 @@ def test_tensor_parallel_ranks_swap_their_shards(tmp_path):
     prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70, 100 + i, 7] * (1 + 3 * i)} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
     plain = LLM(directory, dtype="float32", enforce_eager=True).generate(prompts, params, use_tqdm=False)
-    tp = LLM(directory, dtype="float32", tensor_parallel_size=2, num_gpu_blocks=8, preemption_mode="swap",
+    tp = LLM(directory, dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=8, preemption_mode="swap",
              swap_space=0.01)
     try:
         swapped = tp.generate(prompts, params, use_tqdm=False)
