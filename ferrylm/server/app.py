@@ -10,9 +10,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -48,8 +48,10 @@ from ferrylm.http.protocol import (
 )
 from ferrylm.http.responses_protocol import RESPONSES, ResponsesRequest, as_chat_request
 from ferrylm.http.safe_json import SafeJSONResponse
+from ferrylm.http.settlement import SettledStream, Settlement
 from ferrylm.observability.dashboard.routes import dashboard_router
 from ferrylm.observability.metrics import SequenceTimer
+from ferrylm.outputs import RequestOutput
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.server import gatekeeping, inputs, kv_routes, messages, prompts, responses, serving, structured, tokenize
 from ferrylm.server.auth import require_api_key
@@ -59,7 +61,8 @@ from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
 from ferrylm.server.reasoning import parser_for
-from ferrylm.server.request_trace import RequestTrace, TracedStream
+from ferrylm.server.request_end import RequestEnd
+from ferrylm.server.request_trace import RequestTrace
 from ferrylm.server.serving import ResponseContext
 from ferrylm.server.state import ServerState
 from ferrylm.server.tools import ToolPlan
@@ -67,6 +70,7 @@ from ferrylm.version import package_version
 
 log = logging.getLogger("ferrylm.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+B = TypeVar("B", bound=BaseModel)
 
 
 def _state(request: Request) -> ServerState:
@@ -102,7 +106,8 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
                  prompts: list[list[int]], params: SamplingParams, req: SamplingRequest | EmbeddingRequest,
                  streamer: Callable,
                  shaper: Callable) -> Response:
-    """Gateway admission → engine → SSE or JSON; the gateway settles once the response ends."""
+    """Gateway admission → engine → SSE or JSON; one Settlement settles the gateway and the trace
+    once the response ends, however it ends."""
     started = time.monotonic()
     admission = await gatekeeping.admit(request, state, engine, ctx.request_id, ctx.model, prompts, params,
                                         engine.model_info.max_model_len)
@@ -111,35 +116,51 @@ async def _serve(request: Request, state: ServerState, engine: EngineClient, ctx
     params = gatekeeping.salted(state, admission, params)
     trace = RequestTrace(state.tracing, request.headers, ctx.request_id, ctx.model, ctx.start, params, tenant) \
         if state.tracing is not None else None
+    end = RequestEnd(state, admission, trace, started)
+    settlement: Settlement[[]] = Settlement(end)
     try:
-        fanout = await _start(state, engine, ctx, prompts, params, req,
-                              gatekeeping.priority(state, admission, req.priority), tenant)
+        end.fanout = fanout = await _start(state, engine, ctx, prompts, params, req,
+                                           gatekeeping.priority(state, admission, req.priority), tenant)
     except APIError as e:
-        await gatekeeping.finish(state, admission, e.status, None, started)
-        if trace is not None:
-            trace.end(e.status, None)
+        await settlement.settle(e.status)
         raise
     if req.stream:
-        events: AsyncIterator[str] = gatekeeping.finishing(streamer(ctx, fanout), state, admission, fanout, started)
-        if trace is not None:
-            events = TracedStream(events, lambda status: trace.end(status, fanout))
-        return SSEResponse(events, headers=SSE_HEADERS | headers)
+        return SSEResponse(SettledStream(streamer(ctx, fanout), settlement), headers=SSE_HEADERS | headers)
+    finals = await _collect(request, ctx, fanout, settlement)
+    if finals is None:
+        return Response(status_code=499)
+    return SafeJSONResponse(shaper(ctx, fanout, finals), headers=headers)
+
+
+async def _collect(request: Request, ctx: ResponseContext, fanout: Fanout, settlement: Settlement[[]]
+                   ) -> list[RequestOutput] | None:
+    """A non-streaming request run to its end (None: the client left first), settled however it ended."""
     status = 500
     try:
         finals = await cancel_on_disconnect(request, serving.collect(fanout))
         status = 200
+        return finals
     except ClientDisconnected:
         status = 499
         log.info("client disconnected; request aborted", extra={"request_id": ctx.request_id})
-        return Response(status_code=499)
+        return None
     except EngineDeadError:
         status = 503
         raise engine_dead() from None
     finally:
-        await gatekeeping.finish(state, admission, status, fanout, started)
-        if trace is not None:
-            trace.end(status, fanout)
-    return SafeJSONResponse(shaper(ctx, fanout, finals), headers=headers)
+        await settlement.settle(status)
+
+
+async def _admitted(request: Request, model_cls: type[B], runner: str | None) -> tuple[ServerState, AsyncEngine, B]:
+    """Every generating route's preamble, in the order a client sees its errors: 401/429 before
+    anything else, 400 for a route this --runner does not serve, 503 unless the engine takes a
+    request now, then the body read and parsed (413/400)."""
+    state = _state(request)
+    await gatekeeping.authenticate(request, state)
+    if runner is not None:
+        _require_runner(state, runner)
+    engine = state.admit()
+    return state, engine, parse_model(model_cls, await read_json_body(request, state.config.max_body_bytes))
 
 
 async def _chat_inputs(request: Request, engine: EngineClient, req: ChatCompletionRequest, what: str
@@ -156,11 +177,7 @@ async def _chat_inputs(request: Request, engine: EngineClient, req: ChatCompleti
 
 
 async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    await gatekeeping.authenticate(request, state)
-    _require_runner(state, "generate")
-    engine = state.admit()
-    req = parse_model(ChatCompletionRequest, await read_json_body(request, state.config.max_body_bytes))
+    state, engine, req = await _admitted(request, ChatCompletionRequest, "generate")
     ctx_id = _request_id(request, "chatcmpl")
     model = state.resolve_model(req.model)
     core = engine.model_info
@@ -174,11 +191,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    state = _state(request)
-    await gatekeeping.authenticate(request, state)
-    _require_runner(state, "generate")
-    engine = state.admit()
-    req = parse_model(CompletionRequest, await read_json_body(request, state.config.max_body_bytes))
+    state, engine, req = await _admitted(request, CompletionRequest, "generate")
     ctx_id = _request_id(request, "cmpl")
     model = state.resolve_model(req.model)
     core = engine.model_info
@@ -200,11 +213,7 @@ async def completions(request: Request) -> Response:
 
 async def create_response(request: Request) -> Response:
     """POST /v1/responses: run as a one-choice chat request, answered in the Responses shape."""
-    state = _state(request)
-    await gatekeeping.authenticate(request, state)
-    engine = state.admit()
-    _require_runner(state, "generate")
-    body = parse_model(ResponsesRequest, await read_json_body(request, state.config.max_body_bytes))
+    state, engine, body = await _admitted(request, ResponsesRequest, "generate")
     req = as_chat_request(body)
     ctx_id = _request_id(request, "resp")
     model = state.resolve_model(req.model)
@@ -222,11 +231,7 @@ async def create_response(request: Request) -> Response:
 
 async def create_message(request: Request) -> Response:
     """POST /v1/messages (Anthropic's Messages API): run as a one-choice chat request."""
-    state = _state(request)
-    await gatekeeping.authenticate(request, state)
-    engine = state.admit()
-    _require_runner(state, "generate")
-    body = parse_model(MessagesRequest, await read_json_body(request, state.config.max_body_bytes))
+    state, engine, body = await _admitted(request, MessagesRequest, "generate")
     req = messages_protocol.as_chat_request(body)
     request.state.request_id = request.state.request_id or messages.message_id()
     ctx_id = _request_id(request, "msg")
@@ -255,11 +260,7 @@ def _require_runner(state: ServerState, runner: str) -> None:
 
 async def create_embeddings(request: Request) -> Response:
     """POST /v1/embeddings (--runner pooling): every input prefilled once and pooled into a vector."""
-    state = _state(request)
-    await gatekeeping.authenticate(request, state)
-    _require_runner(state, "pooling")
-    engine = state.admit()
-    req = parse_model(EmbeddingRequest, await read_json_body(request, state.config.max_body_bytes))
+    state, engine, req = await _admitted(request, EmbeddingRequest, "pooling")
     ctx_id = _request_id(request, "embd")
     model = state.resolve_model(req.model)
     core = engine.model_info
@@ -286,10 +287,7 @@ async def create_embeddings(request: Request) -> Response:
 async def count_message_tokens(request: Request) -> JSONResponse:
     """POST /v1/messages/count_tokens: the prompt tokens a Messages request would take (its system,
     messages and tools through the served model's chat template)."""
-    state = _state(request)
-    await gatekeeping.authenticate(request, state)
-    engine = state.admit()
-    body = parse_model(CountTokensRequest, await read_json_body(request, state.config.max_body_bytes))
+    state, engine, body = await _admitted(request, CountTokensRequest, None)
     req = messages_protocol.count_tokens_chat_request(body)
     gatekeeping.check_model_allowed(request, state.resolve_model(req.model))
     try:

@@ -1,11 +1,10 @@
 """The seam between the HTTP handlers and the gateway: admit before any engine work, finish
-(settle limits, charge quotas, audit) once the response ends however it ends."""
+(settle limits, charge quotas, audit) once the response ends however it ends (request_end.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncGenerator
 
 from fastapi import Request
 
@@ -83,33 +82,3 @@ async def finish(state: ServerState, admission: Admission | None, status: int, f
     await state.gateway.finish(admission, status, billed.prompt_tokens, billed.completion_tokens,
                                time.monotonic() - started, cached_tokens=billed.cached_tokens)
 
-
-class finishing:  # noqa: N801 - used like the async generator it replaces
-    """Pass SSE events through; when the stream ends, settle with the tokens really produced
-    (200 if it ran to the end, 499 if the client left first). A class, not an async generator,
-    so that closing it settles even if it was never started (client gone before the first byte)."""
-
-    def __init__(self, stream: AsyncGenerator[str, None], state: ServerState, admission: Admission | None,
-                 fanout: Fanout, started: float):
-        self._stream, self._state, self._admission = stream, state, admission
-        self._fanout, self._started = fanout, started
-        self._settled = False
-
-    def __aiter__(self) -> "finishing":
-        return self
-
-    async def __anext__(self) -> str:
-        try:
-            return await self._stream.__anext__()
-        except StopAsyncIteration:
-            await self._settle(200)
-            raise
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-        await self._settle(499)
-
-    async def _settle(self, status: int) -> None:
-        if not self._settled:
-            self._settled = True
-            await finish(self._state, self._admission, status, self._fanout, self._started)

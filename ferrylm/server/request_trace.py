@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Mapping
 
 from ferrylm.observability import tracing as otel
 from ferrylm.observability.request_timeline import RequestTimeline
@@ -46,26 +46,3 @@ class RequestTrace:
                 otel.emit_engine_spans(self._tracing, span, timeline)
         self._tracing.end_span(span, error=status >= 500)
 
-
-class TracedStream:
-    """SSE events passed through; the trace ends when the stream does (200 at its end, 499 if it
-    is closed first). A class, so that closing it ends the trace even if it never started."""
-
-    def __init__(self, events: AsyncIterator[str], on_end: Callable[[int], None]):
-        self._events, self._on_end = events, on_end
-
-    def __aiter__(self) -> "TracedStream":
-        return self
-
-    async def __anext__(self) -> str:
-        try:
-            return await self._events.__anext__()
-        except StopAsyncIteration:
-            self._on_end(200)
-            raise
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()  # type: ignore[attr-defined]
-        finally:
-            self._on_end(499)
