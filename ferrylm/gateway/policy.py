@@ -166,6 +166,17 @@ class Gateway:
                                         client_addr, err.code))
             raise
 
+    async def identify(self, request_headers: Mapping[str, str] | None, client_addr: str | None = None,
+                       request_id: str | None = None) -> tuple[Principal, RateLimitResult]:
+        """`authenticate`, then `charge_request`: what both front doors ask before reading a body."""
+        principal = await self.authenticate(request_headers)
+        return principal, await self.charge_request(principal, client_addr, request_id)
+
+    def tier_priority(self, admission: Admission) -> int | None:
+        """With auth on, the tenant's tier decides the priority (clients cannot jump the queue);
+        None when the client's own priority stands."""
+        return admission.priority if self.config.require_auth else None
+
     async def admit(self, request_headers: Mapping[str, str] | None, client_addr: str | None, model: str,
                     prompt_tokens: int, max_tokens: int, stats_snapshot: LoadReport | None, *,
                     request_id: str | None = None, engine_healthy: bool = True,

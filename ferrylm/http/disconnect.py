@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no caching, no proxy buffering
 
 
 class ClientDisconnected(Exception):

@@ -10,18 +10,21 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ferrylm.gateway.auth import check_model
+from ferrylm.gateway.auth import Principal, check_model
 from ferrylm.gateway.cache_salt import effective_cache_salt
 from ferrylm.gateway.ops_auth import require_credential
+from ferrylm.gateway.policy import Admission
+from ferrylm.gateway.rate_limit import RateLimitResult
 from ferrylm.gateway.reservation import reserved_tokens
 from ferrylm.http import messages_protocol
-from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
+from ferrylm.http.disconnect import SSE_HEADERS, ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.http.drain import DrainController
 from ferrylm.http.embeddings_protocol import EmbeddingRequest, as_completion_request
 from ferrylm.http.error_handlers import install_error_handlers
@@ -38,6 +41,7 @@ from ferrylm.http.protocol import (
     VersionResponse,
 )
 from ferrylm.http.responses_protocol import ResponsesRequest, as_chat_request
+from ferrylm.http.settlement import Settlement
 from ferrylm.load_report import LoadReport
 from ferrylm.observability.dashboard.readings import gateway_reader
 from ferrylm.observability.dashboard.routes import dashboard_router
@@ -53,6 +57,7 @@ from ferrylm.router.metrics import RouterMetrics
 from ferrylm.router.observation import GatewayObservation
 from ferrylm.router.policies import RouteContext
 from ferrylm.router.poller import HealthPoller
+from ferrylm.router.proxied_end import ProxiedRequestEnd
 from ferrylm.router.registry import ModelGroup, ReplicaRegistry
 from ferrylm.router.relay import StreamRelay
 from ferrylm.router.request_body import read_request_body
@@ -61,7 +66,6 @@ from ferrylm.sampling_params import SamplingParamsError, check_cache_salt
 from ferrylm.version import package_version
 
 log = logging.getLogger("ferrylm.gateway")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
 PASSED_HEADERS = ("retry-after", "retry-after-ms", "www-authenticate")  # from a replica's whole answer
 
@@ -206,28 +210,6 @@ async def _route_context(state: GatewayState, group: ModelGroup,
                         info.token_ids if group.config.prefill_upstreams else (), cache_salt)
 
 
-class _Settlement:
-    """Finishes the gateway admission (limits, quota, audit) with the usage the response reported."""
-
-    def __init__(self, state: GatewayState, admission, ctx: RouteContext, observation: GatewayObservation):
-        self._state, self._admission, self._ctx, self._observation = state, admission, ctx, observation
-        self._started = time.monotonic()
-
-    def _unreported_prompt(self, status: int) -> int:
-        """Prompt tokens to bill when the replica reported no usage: none for a request it refused
-        (4xx, as `ferrylm serve` bills a refused request), each prompt once otherwise."""
-        return 0 if 400 <= status < 499 else self._ctx.billed_prompt_tokens
-
-    async def __call__(self, status: int, prompt: int | None, completion: int, cached: int = 0) -> None:
-        self._observation.end(status, prompt, completion)
-        gateway = self._state.gateway
-        if self._admission is not None and gateway is not None:
-            await gateway.finish(self._admission, status,
-                                 prompt if prompt is not None else self._unreported_prompt(status),
-                                 completion, time.monotonic() - self._started,
-                                 cached_tokens=cached if isinstance(cached, int) else 0)
-
-
 RequestModel = (type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest] | type[MessagesRequest]
                 | type[EmbeddingRequest])
 
@@ -254,69 +236,116 @@ async def _proxy(request: Request, model_cls: RequestModel, path: str, prefix: s
         state.drain.discard(waiting)
 
 
-async def _proxy_admitted(request: Request, state: GatewayState, model_cls: RequestModel, path: str, prefix: str,
-                          waiting: InFlight) -> Response:
-    gateway, dispatcher = state.gateway, state.dispatcher
-    assert dispatcher is not None  # set by the lifespan before any request
-    started = time.monotonic()
-    client = request.client.host if request.client else None
-    principal = charge = None
-    if gateway is not None:
-        principal = await gateway.authenticate(request.headers)
-        # One request off requests/min before the body is read or tokenized (as `ferrylm serve`).
-        charge = await gateway.charge_request(principal, client)
+@dataclass(frozen=True)
+class _Admitted:
+    """A generation request past the gateway's policy, ready to dispatch."""
+
+    req: ChatCompletionRequest | CompletionRequest  # as the replica runs it
+    body: dict  # as the client sent it
+    group: ModelGroup
+    ctx: RouteContext
+    cache_salt: str | None
+    request_id: str
+    admission: Admission | None
+
+
+async def _identify(request: Request, state: GatewayState) -> tuple[Principal, RateLimitResult] | None:
+    """Who is calling and one request off their requests/min, before the body is read or
+    tokenized (as `ferrylm serve`); None without a gateway policy."""
+    if state.gateway is None:
+        return None
+    return await state.gateway.identify(request.headers, request.client.host if request.client else None)
+
+
+def _group(state: GatewayState, model: str | None) -> ModelGroup:
+    """The model group serving `model`, or 404 model_not_found."""
+    group = state.registry.resolve(model)
+    if group is None:
+        raise model_not_found(model)
+    return group
+
+
+async def _admit(request: Request, state: GatewayState, model_cls: RequestModel, prefix: str) -> _Admitted:
+    """Authenticate and charge, read and parse the body, count its tokens, admit it (401, 429, 413,
+    400, 404, 403, 503 in the order a client sees them)."""
+    caller = await _identify(request, state)
+    principal, charge = caller if caller is not None else (None, None)
     body = await read_request_body(request, state.config.max_body_bytes)
     req = _parse_request(model_cls, body)
-    responses = model_cls is ResponsesRequest or model_cls is MessagesRequest  # their streams always carry usage
-    group = state.registry.resolve(req.model)
-    if group is None:
-        raise model_not_found(req.model)
+    group = _group(state, req.model)
     request.state.request_id = request_id = request.state.request_id or new_request_id(prefix)
     salt = _cache_salt(state, principal, body)
     ctx = await _route_context(state, group, req, salt)
     admission = None
-    if gateway is not None:
-        admission = await gateway.admit(request.headers, client, group.name, ctx.prompt_tokens,
+    if state.gateway is not None:
+        client = request.client.host if request.client else None
+        admission = await state.gateway.admit(request.headers, client, group.name, ctx.prompt_tokens,
                                               ctx.expected_output, state.group_load(group), request_id=request_id,
                                               principal=principal, num_sequences=ctx.num_sequences,
                                               request_charge=charge)
-    observation = GatewayObservation(state.tracing, state.metrics, request.headers, group.name,
-                                     admission.principal.tenant if admission is not None else None, request_id, started)
-    settle = _Settlement(state, admission, ctx, observation)
-    priority = admission.priority if admission is not None and gateway is not None and gateway.config.require_auth \
-        else None
-    headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
-    observation.inject(headers)
-    status: int | None = 500
+    return _Admitted(req, body, group, ctx, salt, request_id, admission)
+
+
+async def _proxy_admitted(request: Request, state: GatewayState, model_cls: RequestModel, path: str, prefix: str,
+                          waiting: InFlight) -> Response:
+    started = time.monotonic()
+    a = await _admit(request, state, model_cls, prefix)
+    observation = GatewayObservation(state.tracing, state.metrics, request.headers, a.group.name,
+                                     a.admission.principal.tenant if a.admission is not None else None,
+                                     a.request_id, started)
+    settlement: Settlement[[int | None, int, int]] = Settlement(
+        ProxiedRequestEnd(state.gateway, a.admission, a.ctx.billed_prompt_tokens, observation))
     try:
-        d = await cancel_on_disconnect(request, waiting.guard(dispatcher.dispatch(
-            group, path, _upstream_body(body, req, priority, responses, salt), headers, ctx, bool(req.stream))))
-        extra = admission.response_headers if admission is not None else {}
-        observation.replica(d.replica.url)
-        if state.config.router.expose_upstream:
-            extra["X-FerryLM-Upstream"] = d.replica.url
-        if req.stream and d.response.status_code == 200:
-            wants_usage = responses or bool(req.stream_options and req.stream_options.include_usage)
-            relay = StreamRelay(d, wants_usage, settle, state.metrics, dispatcher.record_failure,
-                                state.drain.discard, observation, anthropic=model_cls is MessagesRequest)
-            state.drain.add(relay)
-            status = None  # the relay settles
-            return SSEResponse(relay, headers=SSE_HEADERS | extra)
-        status = None  # _answer settles
-        return await _answer(state, d, settle, extra)
+        return await _forward(request, state, model_cls, path, a, observation, settlement, waiting)
     except ClientDisconnected:
-        status = 499
+        await _settle_unanswered(state, a.group, settlement, 499)
         return Response(status_code=499)
-    except asyncio.CancelledError:
-        status = 499
+    except BaseException as e:
+        await _settle_unanswered(state, a.group, settlement, _failure_status(e))
         raise
-    except APIError as e:
-        status = e.status
-        raise
-    finally:
-        if status is not None:
-            state.metrics.requests.labels(group.name, str(status)).inc()
-            await settle(status, None, 0, 0)
+
+
+def _failure_status(e: BaseException) -> int:
+    """The status a request that failed before its answer settles with."""
+    if isinstance(e, asyncio.CancelledError):
+        return 499
+    return e.status if isinstance(e, APIError) else 500
+
+
+async def _settle_unanswered(state: GatewayState, group: ModelGroup, settlement: Settlement[[int | None, int, int]],
+                             status: int) -> None:
+    """Count and settle a request no answer settled (no usage reported: nothing generated)."""
+    if not settlement.settled:
+        state.metrics.requests.labels(group.name, str(status)).inc()
+        await settlement.settle(status, None, 0, 0)
+
+
+async def _forward(request: Request, state: GatewayState, model_cls: RequestModel, path: str, a: _Admitted,
+                   observation: GatewayObservation, settlement: Settlement[[int | None, int, int]],
+                   waiting: InFlight) -> Response:
+    """Dispatch to a replica and answer: a 200 stream relayed as it comes (the relay settles when it
+    ends), anything else whole (_answer settles)."""
+    dispatcher = state.dispatcher
+    assert dispatcher is not None  # set by the lifespan before any request
+    responses = model_cls is ResponsesRequest or model_cls is MessagesRequest  # their streams always carry usage
+    priority = state.gateway.tier_priority(a.admission) if a.admission is not None and state.gateway is not None \
+        else None
+    headers = _upstream_headers(request, a.request_id, state.config.router.upstream_api_key)
+    observation.inject(headers)
+    d = await cancel_on_disconnect(request, waiting.guard(dispatcher.dispatch(
+        a.group, path, _upstream_body(a.body, a.req, priority, responses, a.cache_salt), headers, a.ctx,
+        bool(a.req.stream))))
+    extra = a.admission.response_headers if a.admission is not None else {}
+    observation.replica(d.replica.url)
+    if state.config.router.expose_upstream:
+        extra["X-FerryLM-Upstream"] = d.replica.url
+    if a.req.stream and d.response.status_code == 200:
+        wants_usage = responses or bool(a.req.stream_options and a.req.stream_options.include_usage)
+        relay = StreamRelay(d, wants_usage, settlement.settle, state.metrics, dispatcher.record_failure,
+                            state.drain.discard, observation, anthropic=model_cls is MessagesRequest)
+        state.drain.add(relay)
+        return SSEResponse(relay, headers=SSE_HEADERS | extra)
+    return await _answer(state, d, settlement.settle, extra)
 
 
 async def _answer(state: GatewayState, d, settle, extra: dict[str, str]) -> Response:
@@ -375,17 +404,11 @@ async def _utility(request: Request, model_cls: type[TokenizeRequest] | type[Det
     state.drain.check_admitting()
     dispatcher = state.dispatcher
     assert dispatcher is not None
-    principal = None
-    if state.gateway is not None:
-        principal = await state.gateway.authenticate(request.headers)
-        await state.gateway.charge_request(principal, request.client.host if request.client else None)
+    caller = await _identify(request, state)
     body = await read_request_body(request, state.config.max_body_bytes)
-    req = parse_model(model_cls, body)
-    group = state.registry.resolve(req.model)
-    if group is None:
-        raise model_not_found(req.model)
-    if principal is not None:
-        check_model(principal, group.name)  # the tenant's model allowlist, as on generation routes
+    group = _group(state, parse_model(model_cls, body).model)
+    if caller is not None:
+        check_model(caller[0], group.name)  # the tenant's model allowlist, as on generation routes
     request_id = request.state.request_id or new_request_id("tok")
     headers = _upstream_headers(request, request_id, state.config.router.upstream_api_key)
     d = await dispatcher.dispatch(group, path, body, headers, RouteContext(0, 0), stream=False)

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from ferrylm.http.settlement import Settlement
 from ferrylm.router.dispatch import Dispatch, is_replica_fault
 from ferrylm.router.metrics import RouterMetrics
 from ferrylm.router.observation import GatewayObservation
@@ -66,7 +67,7 @@ class StreamRelay:
         self._head_token_pending = d.first_token_at is not None  # the head's token event, not yet relayed
         self._finished = False  # [DONE] passed (or an error event and [DONE] sent)
         self._tail: list[bytes] = []
-        self._settled = False
+        self._settlement: Settlement[[]] = Settlement(self._finish)
         if d.first_token_at is not None:
             self._on_first_token(d.first_token_at)
 
@@ -78,7 +79,7 @@ class StreamRelay:
             if self._tail:
                 return self._tail.pop(0)
             if self._finished:
-                await self._settle(self._status)
+                await self._settlement.settle(self._status)
                 raise StopAsyncIteration
             item = await self._next_event()
             if item is None:
@@ -160,13 +161,12 @@ class StreamRelay:
         return event.raw
 
     async def aclose(self) -> None:
-        await self._settle(200 if self._finished and self._status == 200 else 499 if not self._finished
+        await self._settlement.settle(200 if self._finished and self._status == 200 else 499 if not self._finished
                            else self._status)
 
-    async def _settle(self, status: int) -> None:
-        if self._settled:
-            return
-        self._settled = True
+    async def _finish(self, status: int) -> None:
+        """Once: leave the drain's set, close the upstream response (reused after a clean end),
+        count the request and settle it with the usage the replica reported."""
         self._on_done(self)
         usage = self._usage or {}
         try:

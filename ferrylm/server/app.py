@@ -26,7 +26,7 @@ from ferrylm.gateway.ops_auth import require_credential
 from ferrylm.http import messages_protocol
 from ferrylm.http.body import read_json_body
 from ferrylm.http.chat_dialect import in_dialect_terms
-from ferrylm.http.disconnect import ClientDisconnected, SSEResponse, cancel_on_disconnect
+from ferrylm.http.disconnect import SSE_HEADERS, ClientDisconnected, SSEResponse, cancel_on_disconnect
 from ferrylm.http.embeddings_protocol import EmbeddingRequest, as_completion_request
 from ferrylm.http.error_handlers import install_error_handlers
 from ferrylm.http.errors import APIError, engine_dead, invalid, parse_model
@@ -69,7 +69,6 @@ from ferrylm.server.tools import ToolPlan
 from ferrylm.version import package_version
 
 log = logging.getLogger("ferrylm.server")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 B = TypeVar("B", bound=BaseModel)
 
 

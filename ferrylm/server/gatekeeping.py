@@ -25,10 +25,9 @@ async def authenticate(request: Request, state: ServerState) -> None:
     count too). The principal and that charge wait in request.state for `admit`."""
     if state.gateway is None:
         return
-    request.state.principal = await state.gateway.authenticate(request.headers)
     client = request.client.host if request.client else None
-    request.state.request_charge = await state.gateway.charge_request(
-        request.state.principal, client, getattr(request.state, "request_id", None))
+    request.state.principal, request.state.request_charge = await state.gateway.identify(
+        request.headers, client, getattr(request.state, "request_id", None))
 
 
 async def admit(request: Request, state: ServerState, engine: EngineClient, request_id: str, model: str,
@@ -63,9 +62,8 @@ def salted(state: ServerState, admission: Admission | None, params: SamplingPara
 
 def priority(state: ServerState, admission: Admission | None, requested: int | None) -> int:
     """With auth on, the tenant's tier decides the priority (clients cannot jump the queue)."""
-    if admission is not None and state.gateway is not None and state.gateway.config.require_auth:
-        return admission.priority
-    return requested or 0
+    tier = state.gateway.tier_priority(admission) if admission is not None and state.gateway is not None else None
+    return tier if tier is not None else requested or 0
 
 
 def usage(fanout: Fanout) -> Usage:
