@@ -84,6 +84,7 @@ class ModelRunner:
             raise ConfigError("--tensor-parallel-size > 1 runs on CPU (gloo) in this version; NCCL on CUDA is not "
                               "built yet")
         self.tp = None if tp is None else TPContext.build(tp, checkpoint.config, expert_parallel)
+        self.samples = tp is None or tp.rank == 0  # rank 0 samples; the others only join the collectives
         load_from = checkpoint if self.tp is None else ShardedCheckpoint(checkpoint, self.tp.shard)
         self.local_config: ModelConfig = load_from.config  # this rank's heads and widths (all of them without TP)
         # collectives are not captured into graphs; an MoE step's expert groups are data-dependent
@@ -278,26 +279,6 @@ class ModelRunner:
         if self.tp is not None:
             raise ConfigError(f"{what} is not supported with --tensor-parallel-size > 1")
 
-    @torch.inference_mode()
-    def execute_shard(self, output: SchedulerOutput) -> None:
-        """A non-zero tensor-parallel rank's step: the forward and logits collectives of rank 0's
-        execute() on the same batch, nothing sampled (rank 0 samples, verifies and proposes)."""
-        self._swap_blocks(output)  # this rank's shard of the same blocks
-        for rid in output.finished_ids:
-            self.states.pop(rid, None)
-        for new in output.new_requests:
-            self.states[new.request_id] = SamplingRequestState(new.sampling_params, new.prompt_token_ids)
-        if not output.scheduled:
-            return
-        batch = build_batch(output.scheduled, self.block_size, self.device)
-        plans = prompt_logprobs.plan(output.scheduled, self.states)
-        if plans:
-            hidden = self._forward(batch)
-            self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-            prompt_logprobs.compute(self.model.compute_logits, hidden, plans)
-        else:
-            self._logits(batch, len(batch.logits_indices))
-
     def use_grammars(self, compiled: Callable[[str], Any] | None) -> None:
         """Where a SchedulerOutput's grammar references resolve (the engine's GrammarCompiler.compiled)."""
         self.grammar_of = compiled
@@ -307,16 +288,38 @@ class ModelRunner:
         return None
 
     def shutdown(self) -> None:
-        """Tensor parallel: tell the other ranks to exit (rank 0; the engine's close)."""
-        if self.tp is not None and self.tp.group.rank == 0:
-            self.tp.group.broadcast_object(None)
+        """Nothing to stop (a tensor-parallel group's ranks are stopped by its executor)."""
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
+        """One step, run alike by every tensor-parallel rank on the same `output` (the executor hands
+        it over): each choice of forward reads only `output` and the states every rank keeps, so all
+        ranks call the collectives in the same order. Only rank 0 samples, verifies and proposes; the
+        others return an empty ModelOutput."""
         self._start_background_compile()
-        if self.tp is not None:  # the other ranks run the same forward (tp_worker.py)
-            self.tp.group.broadcast_object(output)
         self._swap_blocks(output)
+        self._update_states(output)
+        if not output.scheduled:
+            return ModelOutput({}, {})
+        logits, scored, pooled = self._run_model(output)
+        if not self.samples:
+            return ModelOutput({}, {})
+        rows = [i for i, s in enumerate(output.scheduled) if s.sample]
+        if not rows:
+            return ModelOutput({}, {}, scored, pooled=pooled)
+        counts = [1 + len(output.scheduled[i].draft_token_ids) for i in rows]
+        if len(counts) == sum(counts):
+            result = self._sample(logits, [output.scheduled[i].request_id for i in rows])
+        else:
+            result = self._sample_and_verify(logits, [output.scheduled[i] for i in rows], counts)
+        drafts = {}
+        if self.speculator is not None:
+            drafts = self.speculator.propose([output.scheduled[i] for i in rows], self.states)
+        return result._replace(prompt_logprobs=scored, draft_token_ids=drafts, pooled=pooled)
+
+    def _update_states(self, output: SchedulerOutput) -> None:
+        """Forget finished requests, restart preempted ones, start new ones. A grammar is compiled only
+        where tokens are sampled (rank 0): the other ranks keep each request's params and prompt."""
         for rid in output.finished_ids:
             self.states.pop(rid, None)
             if self.speculator is not None:
@@ -329,40 +332,31 @@ class ModelRunner:
         for new in output.new_requests:
             if self.speculator is not None:
                 self.speculator.forget(new.request_id)
-            self.states[new.request_id] = SamplingRequestState(
-                new.sampling_params, new.prompt_token_ids,
-                grammar=new_matcher(self._compiled_grammar(new.grammar)) if new.grammar is not None else None)
-        if not output.scheduled:
-            return ModelOutput({}, {})
-        rows = [i for i, s in enumerate(output.scheduled) if s.sample]
-        counts = [1 + len(output.scheduled[i].draft_token_ids) for i in rows]
+            grammar = None
+            if new.grammar is not None and self.samples:
+                grammar = new_matcher(self._compiled_grammar(new.grammar))
+            self.states[new.request_id] = SamplingRequestState(new.sampling_params, new.prompt_token_ids,
+                                                                grammar=grammar)
+
+    def _run_model(self, output: SchedulerOutput
+                   ) -> tuple[torch.Tensor, dict[str, list[PromptLogprob]], dict[str, list[float]]]:
+        """The sampled rows' logits, the scored prompt tokens and the pooled vectors of this step: the
+        forward and every logits collective, the same on every rank (under tensor parallelism nothing
+        is compiled, so no rank switches to a graph at a moment of its own)."""
         batch = build_batch(output.scheduled, self.block_size, self.device, self._rows_fit_compiled(output))
         plans = prompt_logprobs.plan(output.scheduled, self.states)
         pooling = pooling_rows(output.scheduled, self.states)
-        scored: dict[str, list[PromptLogprob]] = {}
-        pooled: dict[str, list[float]] = {}
         if plans and not pooling and self.compiled is not None and self.compiled.can_run(batch):
             every = self.compiled.logits(batch)  # one row per token: the scored rows' logits are here
-            logits = every.index_select(0, batch.logits_indices)
             scored = prompt_logprobs.compute(lambda rows: rows, every, plans)
-        elif plans or pooling:  # eager: the prompt rows' hidden states are needed, not only the sampled rows'
-            hidden = self._forward(batch)
-            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-            if plans:
-                scored = prompt_logprobs.compute(self.model.compute_logits, hidden, plans)
-            pooled = pool(hidden, pooling, self.states)
-        else:
-            logits = self._logits(batch, len(batch.logits_indices))
-        if not rows:
-            return ModelOutput({}, {}, scored, pooled=pooled)
-        if len(counts) == sum(counts):
-            result = self._sample(logits, [output.scheduled[i].request_id for i in rows])
-        else:
-            result = self._sample_and_verify(logits, [output.scheduled[i] for i in rows], counts)
-        drafts = {}
-        if self.speculator is not None:
-            drafts = self.speculator.propose([output.scheduled[i] for i in rows], self.states)
-        return result._replace(prompt_logprobs=scored, draft_token_ids=drafts, pooled=pooled)
+            return every.index_select(0, batch.logits_indices), scored, {}
+        if not plans and not pooling:
+            return self._logits(batch, len(batch.logits_indices)), {}, {}
+        # eager: the prompt rows' hidden states are needed, not only the sampled rows'
+        hidden = self._forward(batch)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        scored = prompt_logprobs.compute(self.model.compute_logits, hidden, plans) if plans else {}
+        return logits, scored, pool(hidden, pooling, self.states)
 
     def _rows_fit_compiled(self, output: SchedulerOutput) -> bool:
         """Whether to lay this step's prefill chunks out as decode rows and run the compiled step: when

@@ -1,7 +1,8 @@
 """Tensor parallelism (gloo, 2 processes on this machine): TP=2 equals TP=1 token for token, logprobs
 within 1e-4, on tiny random Llama / Qwen2 / Mistral checkpoints (one with fewer KV heads than ranks)
-and on SmolLM2 in float32 (9 query heads in 3 KV groups: an uneven 6 / 3 split); n-gram speculation
-and chunked prefill run under TP; a killed rank is a clear error at the next step, never a hang."""
+and on SmolLM2 in float32 (9 query heads in 3 KV groups: an uneven 6 / 3 split); n-gram speculation,
+chunked prefill, prompt logprobs and pooling run under TP; a killed rank is a clear error at the next step,
+never a hang."""
 
 from __future__ import annotations
 
@@ -120,3 +121,26 @@ def test_shard_plans_cover_every_head_once():
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ConfigError, match="not supported"):
         EngineConfig(tensor_parallel_size=2, speculative=SpeculativeConfig("layer_skip", 2, num_layers=4))
+
+
+def test_tp2_prompt_logprobs_and_pooling_in_one_chunked_batch(tmp_path):
+    """Scored prompts, a pooled prompt and plain ones share chunked steps: every rank runs the same
+    execute (the prompt-logprob collectives included), and rank 0's results equal TP=1's."""
+    directory = str(add_word_tokenizer(make_tiny_model("llama", tmp_path / "llama")))
+    prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70, 100 + i, 7] * (2 + 2 * i)} for i in range(4)]
+    scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    params = [scored, PARAMS, scored, SamplingParams(max_tokens=0, pooling="mean")]
+    plain = LLM(directory, dtype="float32", enforce_eager=True)
+    tp = LLM(directory, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32)
+    try:
+        a, b = plain.generate(prompts, params, use_tqdm=False), tp.generate(prompts, params, use_tqdm=False)
+    finally:
+        tp.shutdown()
+    assert [x.outputs[0].token_ids for x in a[:3]] == [y.outputs[0].token_ids for y in b[:3]]
+    for prompt, x, y in zip(prompts[:3:2], a[:3:2], b[:3:2]):
+        assert len(x.prompt_logprobs) == len(y.prompt_logprobs) == len(prompt["prompt_token_ids"])
+        for px, py in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+            assert px.keys() == py.keys()
+            assert all(px[t].rank == py[t].rank and abs(px[t].logprob - py[t].logprob) < 1e-4 for t in px)
+    assert a[3].pooled is not None and b[3].pooled is not None
+    assert max(abs(u - v) for u, v in zip(a[3].pooled, b[3].pooled)) < 1e-4

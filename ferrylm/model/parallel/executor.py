@@ -16,16 +16,18 @@ from ferrylm.scheduler_output import SchedulerOutput
 
 
 class TensorParallelExecutor:
-    """Rank 0's runner (it broadcasts every step to the other ranks) and the ranks this process
-    spawned (None under torchrun, which owns them)."""
+    """Rank 0's runner, its group and the ranks this process spawned (None under torchrun, which
+    owns them). Each step is broadcast here, then every rank runs the same runner.execute on it
+    (the others in tp_worker.worker_loop): the runner itself never branches on the broadcast."""
 
-    def __init__(self, runner: ModelRunner, ranks: SpawnedRanks | None):
-        self.runner, self.ranks = runner, ranks
+    def __init__(self, runner: ModelRunner, group: TPGroup, ranks: SpawnedRanks | None):
+        self.runner, self.group, self.ranks = runner, group, ranks
         self.num_blocks, self.num_host_blocks = runner.num_blocks, runner.num_host_blocks
         self.swap_bytes_per_block = runner.swap_bytes_per_block
         self.vocab_size, self.eos_token_ids = runner.vocab_size, runner.eos_token_ids
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
+        self.group.broadcast_object(step)  # raises first if a spawned rank has exited
         return self.runner.execute(step)
 
     def kv_layout(self) -> dict[str, Any]:
@@ -47,9 +49,10 @@ class TensorParallelExecutor:
         return self.ranks.dead() if self.ranks is not None else None
 
     def shutdown(self) -> None:
-        """Tell the other ranks to exit, then wait for those this process spawned."""
+        """Tell the other ranks to exit (None ends worker_loop), then wait for those this process spawned."""
+        self.runner.shutdown()
         try:
-            self.runner.shutdown()
+            self.group.broadcast_object(None)
         except RuntimeError:
             pass  # a rank already gone
         if self.ranks is not None:
@@ -68,7 +71,7 @@ def build(config: EngineConfig) -> BuiltExecutor:
         if ranks is not None:
             ranks.join(timeout=0)
         raise
-    return BuiltExecutor(TensorParallelExecutor(runner, ranks), source, max_model_len)
+    return BuiltExecutor(TensorParallelExecutor(runner, group, ranks), source, max_model_len)
 
 
 def _join(config: EngineConfig) -> tuple[TPGroup, SpawnedRanks | None]:

@@ -3,9 +3,10 @@
 `ferrylm serve --tensor-parallel-size N` (and LLM(tensor_parallel_size=N)) spawns ranks 1..N-1 as
 processes on this machine; the engine process is rank 0. Under torchrun (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT set) nothing is spawned: every process runs the same command, rank 0
-serves and the others run `worker_loop`. Each step rank 0 broadcasts the SchedulerOutput (ids
-only) and every rank runs the same forward; only rank 0 samples, so ranks never diverge. A rank
-that dies makes rank 0's next step raise (the engine then fails stop, /health answers 503).
+serves and the others run `worker_loop`. Each step rank 0's executor broadcasts the SchedulerOutput
+(ids only) and every rank runs the same ModelRunner.execute on it; only rank 0 samples, so ranks
+never diverge. A rank that dies makes rank 0's next step raise (the engine then fails stop,
+/health answers 503).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def worker_loop(config: EngineConfig, place: Rendezvous) -> None:
             return
         if output is None:
             return
-        runner.execute_shard(output)
+        runner.execute(output)  # rank 0's step: the same collectives, nothing sampled here
 
 
 class SpawnedRanks:
