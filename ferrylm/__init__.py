@@ -1,8 +1,9 @@
 """FerryLM: a self-hosted LLM serving stack."""
 
+from ferrylm.lora_request import LoRARequest
 from ferrylm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -138,6 +138,29 @@ class SchedulerConfig:
                               f"{', '.join(PREEMPTION_MODES)}")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Adapters in peft's format served beside the base model, chosen per request (model/lora/)."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (peft format) on the base model, chosen per request "
+                                      "by its model name (vLLM's flag)")
+    max_loras: int = option(1, "adapters one step may use at once (vLLM's default 1: requests of another adapter "
+                               "wait until the running adapter's requests finish)")
+    max_lora_rank: int = option(16, "the largest adapter rank accepted (a larger one is refused at load)")
+    max_cpu_loras: int | None = option(None, "adapters kept unpacked in host memory (default: --max-loras); "
+                                             "others are read again from their files when a request needs them")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError("--max-loras and --max-lora-rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError("--max-cpu-loras must be >= --max-loras")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf", "fp8",
                         "awq", "gptq")
 
@@ -255,6 +278,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     quantization: str | None = option(
         None, "weights kept quantized at run time: int8 / int4[-gN] (quantized at load), gguf (a GGUF file's "
               "blocks kept packed), fp8 (CUDA), awq / gptq (a pre-quantized checkpoint), none; default: GGUF "

@@ -10,10 +10,10 @@ import typing
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from ferrylm.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from ferrylm.config import CacheConfig, ConfigError, EngineConfig, LoRAConfig, SchedulerConfig
 
 # EngineConfig's fields that hold a nested config: their own fields are flags and keywords too.
-_NESTED = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+_NESTED = {"cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig}
 
 
 class EngineArg(NamedTuple):

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from ferrylm.tokenizer import Tokenizer
 
 
+class LoRAError(ValueError):
+    """A LoRA adapter that cannot be served on this model (unreadable, too large a rank, a module
+    it cannot be applied to); the message names the adapter and the reason."""
+
+
 class TokenLogprobs(NamedTuple):
     """Logprob of a sampled token and the top alternatives, the chosen token first."""
 
@@ -80,6 +85,15 @@ class Executor(Protocol):
         ...
 
     def shutdown(self) -> None:
+        ...
+
+    def add_lora(self, name: str, path: str) -> int:
+        """Read and check the peft adapter at `path` under `name` (replacing one of that name); its
+        rank. Raises LoRAError (or ConfigError when the executor serves no adapters)."""
+        ...
+
+    def remove_lora(self, name: str) -> None:
+        """Forget the adapter (the engine first makes sure no request of it is running)."""
         ...
 
 

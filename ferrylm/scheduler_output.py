@@ -18,6 +18,7 @@ class NewRequestData(NamedTuple):
     # the structured-output grammar's reference (StructuredOutputsParams.ref; compiled before the request
     # is scheduled), resolved by the sampling rank through the engine's grammar compiler
     grammar: str | None = None
+    lora_name: str | None = None  # the LoRA adapter its rows run through (None: the base model)
 
 
 class ScheduledRequest(NamedTuple):

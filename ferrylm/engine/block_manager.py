@@ -17,14 +17,17 @@ BlockKey = tuple[int, tuple[int, ...]]  # (parent block hash, token ids of this 
 ROOT_HASH = 0
 
 
-def root_hash(cache_salt: str | None) -> int:
-    """The parent of a prompt's first block: ROOT_HASH without a salt, else one derived from the salt
-    (vLLM's cache_salt), so prompts under different salts never share a block. sha256, not hash():
-    str hashes differ between processes, and a KV transfer compares hashes across processes."""
-    if not cache_salt:
+def root_hash(cache_salt: str | None, lora_name: str | None = None) -> int:
+    """The parent of a prompt's first block: ROOT_HASH without a salt or adapter, else one derived from
+    the salt (vLLM's cache_salt) and the LoRA adapter's name, so prompts under different salts, or run
+    through different adapters (whose K/V differ), never share a block. sha256, not hash(): str hashes
+    differ between processes, and a KV transfer compares hashes across processes."""
+    if not cache_salt and not lora_name:
         return ROOT_HASH
-    return int.from_bytes(hashlib.sha256(b"salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()[:16],
-                          "little")
+    seed = b"salt\0" + (cache_salt or "").encode("utf-8", "surrogatepass")
+    if lora_name:
+        seed += b"\0lora\0" + lora_name.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.sha256(seed).digest()[:16], "little")
 
 
 def hash_block_tokens(parent_hash: int, tokens: tuple[int, ...]) -> int:

@@ -8,6 +8,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from ferrylm.config import ConfigError, EngineConfig
+from ferrylm.engine.adapters import Adapters
 from ferrylm.engine.block_manager import BlockManager, block_hashes, root_hash
 from ferrylm.engine.host_pool import HostBlockPool
 from ferrylm.engine.output_processor import OutputProcessor
@@ -60,7 +61,8 @@ class Engine:
         num_blocks = min(config.cache.num_blocks or executor.num_blocks, executor.num_blocks)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len,
-                                   *_swap_setup(config, executor))
+                                   *_swap_setup(config, executor),
+                                   max_loras=config.lora.max_loras if config.lora.enable_lora else None)
         self.vocab_size = executor.vocab_size
         self.output_processor = OutputProcessor(tokenizer, self.scheduler.finish_request)
         self.prompt_tokens_total = 0
@@ -69,6 +71,7 @@ class Engine:
         self.grammars = grammars if grammars is not None else \
             build_grammar_compiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
         self._compiling: list[Request] = []  # requests whose grammar was not compiled when they arrived
+        self.adapters = Adapters(config.lora, executor, self._requests_of_adapter)
         executor.use_grammars(self.grammars.compiled if self.grammars is not None else None)
 
     @classmethod
@@ -100,19 +103,27 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
-        """Tokenize (if needed), validate against the model, and queue. Raises RequestRejected."""
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    lora_name: str | None = None) -> Request:
+        """Tokenize (if needed), validate against the model, and queue. Raises RequestRejected.
+        `lora_name`: a loaded adapter (adapters.add) the request runs through; None: the base model."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(prompt_ids, params)
+        if lora_name is not None and self.adapters.get(lora_name) is None:
+            raise RequestRejected(f"the LoRA adapter {lora_name!r} is not loaded", "model")
         request = Request(request_id, prompt_ids, params, self.resolve_max_tokens(params, len(prompt_ids)),
                           arrival_time if arrival_time is not None else time.monotonic(), priority,
-                          self.tokenizer.eos_token_ids, grammar=self._grammar(params))
+                          self.tokenizer.eos_token_ids, grammar=self._grammar(params), lora_name=lora_name)
         self.scheduler.add_request(request)
         if request.grammar_pending:
             self._compiling.append(request)
         self.prompt_tokens_total += len(prompt_ids)
         self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None, output_kind)
         return request
+
+    def _requests_of_adapter(self, name: str) -> int:
+        """Unfinished requests that run through the adapter `name` (an unload must wait for them)."""
+        return sum(1 for r in self.scheduler.requests.values() if r.lora_name == name)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Reject here everything the runner and sampler would trip on: they trust admitted

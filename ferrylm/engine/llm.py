@@ -11,6 +11,7 @@ from tqdm import tqdm
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.parallel_sampling import ParentRequest
 from ferrylm.engine_args import engine_config
+from ferrylm.lora_request import LoRARequest
 from ferrylm.outputs import RequestOutput
 from ferrylm.sampling_params import SamplingParams
 
@@ -44,13 +45,25 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams]
-                 | None = None, use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; results are returned in prompt order."""
+                 | None = None, use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; results are returned in prompt order. `lora_request`: one adapter
+        for every prompt or one per prompt (None: the base model), as vLLM's (needs enable_lora=True)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         inputs = [self._prompt_input(p) for p in prompts]
-        return self._run(inputs, params_list, use_tqdm, priority)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        return self._run(inputs, params_list, use_tqdm, priority, [self._adapter(r) for r in loras])
+
+    def _adapter(self, request: LoRARequest | None) -> str | None:
+        """The adapter's name, loading it from its path the first time (or when the path changed)."""
+        if request is None:
+            return None
+        loaded = self.engine.adapters.get(request.lora_name)
+        if loaded is None or loaded.path != request.lora_path:
+            self.engine.adapters.add(request.lora_name, request.lora_path)
+        return request.lora_name
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -69,7 +82,7 @@ class LLM:
         return prompt["prompt"]
 
     def _run(self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool,
-             priority: list[int] | None) -> list[RequestOutput]:
+             priority: list[int] | None, loras: list[str | None] | None = None) -> list[RequestOutput]:
         """One ParentRequest per prompt (n children in the engine), folded back in prompt order."""
         parents: list[ParentRequest] = []
         children: dict[str, tuple[ParentRequest, int]] = {}
@@ -78,7 +91,7 @@ class LLM:
             parents.append(parent)
             for j, (child_id, child_params) in enumerate(parent.children()):
                 self.engine.add_request(child_id, prompt, child_params, priority[i] if priority else 0,
-                                        output_kind=parent.output_kind)
+                                        output_kind=parent.output_kind, lora_name=loras[i] if loras else None)
                 children[child_id] = (parent, j)
         self._drain(children, use_tqdm)
         return [parent.output() for parent in parents]

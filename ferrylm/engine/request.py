@@ -44,14 +44,17 @@ class Request:
     grammar: Future[Any] | None = None  # structured output: compiling off the engine thread; admitted once done
     spec_token_ids: list[int] = field(default_factory=list)  # the runner's draft for the next step
     num_new_tokens: int = 0  # tokens the last step appended (more than one when a draft was accepted)
+    lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
     metrics: RequestMetrics = field(init=False)  # timestamps, from arrival_time on
-    cache_root: int = field(init=False)  # its prefix-cache chain's root: root_hash(cache_salt)
+    cache_root: int = field(init=False)  # its prefix-cache chain's root: root_hash(cache_salt, lora_name)
+    tenant_root: int = field(init=False)  # root_hash(cache_salt): tells tenants apart (decode isolation)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        self.cache_root = root_hash(self.sampling_params.cache_salt)
+        self.tenant_root = root_hash(self.sampling_params.cache_salt)
+        self.cache_root = root_hash(self.sampling_params.cache_salt, self.lora_name)
 
     @property
     def num_prompt_tokens(self) -> int:

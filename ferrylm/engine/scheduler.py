@@ -70,11 +70,14 @@ class Scheduler:
     request keeps its place in the waiting queue (status SWAPPED) and is swapped in when reached.
 
     `host_pool`: host blocks for swap preemption (none: always recompute); `preemption` decides per
-    victim (default: the config's mode with the measured cost model, blocks of `0` bytes)."""
+    victim (default: the config's mode with the measured cost model, blocks of `0` bytes);
+    `max_loras`: LoRA adapters the runner holds at once (None: no adapters served)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 host_pool: HostBlockPool | None = None, preemption: PreemptionPolicy | None = None):
+                 host_pool: HostBlockPool | None = None, preemption: PreemptionPolicy | None = None,
+                 max_loras: int | None = None):
         self.config = config
+        self.max_loras = max_loras  # --max-loras under --enable-lora: distinct adapters running at once
         self.block_manager = block_manager
         self.host_pool = host_pool if host_pool is not None else HostBlockPool(0)
         self.preemption = preemption if preemption is not None else PreemptionPolicy(config.preemption_mode)
@@ -171,9 +174,9 @@ class Scheduler:
         tenant may still add beside other tenants' decodes (--decode-isolation-headroom)."""
         cap = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill else 0
         n = min(remaining, budget, cap) if cap else min(remaining, budget)
-        if req is not None and remaining > 1 and req.cache_root in self._isolated_roots:
-            n = min(n, self._allowance[req.cache_root])
-            self._allowance[req.cache_root] -= max(n, 0)
+        if req is not None and remaining > 1 and req.tenant_root in self._isolated_roots:
+            n = min(n, self._allowance[req.tenant_root])
+            self._allowance[req.tenant_root] -= max(n, 0)
         return n
 
     def _isolate_decodes(self) -> None:
@@ -187,8 +190,8 @@ class Scheduler:
         if not decoding:
             return
         allowance = self.step_cost.prefill_allowance(headroom, len(decoding))
-        roots = {r.cache_root for r in decoding}
-        prompting = {r.cache_root for r in self.running + self.waiting}
+        roots = {r.tenant_root for r in decoding}
+        prompting = {r.tenant_root for r in self.running + self.waiting}
         self._isolated_roots = {root for root in prompting if roots - {root}}
         self._allowance = dict.fromkeys(self._isolated_roots, allowance)
 
@@ -208,6 +211,9 @@ class Scheduler:
         i = 0  # requests whose grammar still compiles are passed over, not waited for
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
+            if not self._adapter_fits(req):  # its adapter waits for a slot; the next in line may go
+                i += 1
+                continue
             if req.status == RequestStatus.SWAPPED:
                 n = self._swap_in_request(req, budget)
                 if n is None:
@@ -242,10 +248,17 @@ class Scheduler:
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
                 new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                                   req.grammar_ref))
+                                                   req.grammar_ref, req.lora_name))
             scheduled.append(self._scheduled(req, n))
             budget -= n
         return budget
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """At most max_loras distinct LoRA adapters among the running requests (the runner's slots)."""
+        if req.lora_name is None or self.max_loras is None:
+            return True
+        active = {r.lora_name for r in self.running if r.lora_name is not None}
+        return req.lora_name in active or len(active) < self.max_loras
 
     def _swap_in_request(self, req: Request, budget: int) -> int | None:
         """Fresh private device blocks for a swapped request (its host copies go to the first ones,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from ferrylm.config import (
     CacheConfig,
     ConfigError,
+    LoRAConfig,
     ModelConfig,
     QuantConfig,
     SpeculativeConfig,
@@ -29,6 +31,7 @@ from ferrylm.model.cpu.cpu_threads import configure_cpu_threads
 from ferrylm.model.forward_batch import ForwardBatch
 from ferrylm.model.kv_swap import HostKVSwap
 from ferrylm.model.loaders.loader import Checkpoint, load_model
+from ferrylm.model.lora.manager import LoRAManager
 from ferrylm.model.parallel.tp import ShardedCheckpoint, TPContext, TPGroup
 from ferrylm.model.pooling import pool, pooling_rows
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, token_logprobs
@@ -78,7 +81,8 @@ class ModelRunner:
                  max_num_batched_tokens: int = 2048, enforce_eager: bool = False, attention: str = "auto",
                  quantization: QuantConfig | None = None, speculative: SpeculativeConfig | None = None,
                  tp: TPGroup | None = None, compile_in_background: bool = True, int8_activations: bool = False,
-                 expert_parallel: bool = False, compile_elsewhere: Callable[[], bool] | None = None):
+                 expert_parallel: bool = False, compile_elsewhere: Callable[[], bool] | None = None,
+                 lora: LoRAConfig | None = None):
         self.config: ModelConfig = checkpoint.config  # the whole model's (vocabulary, layers, EOS)
         if tp is not None and device.type != "cpu":
             raise ConfigError("--tensor-parallel-size > 1 runs on CPU (gloo) in this version; NCCL on CUDA is not "
@@ -89,6 +93,10 @@ class ModelRunner:
         self.local_config: ModelConfig = load_from.config  # this rank's heads and widths (all of them without TP)
         # collectives are not captured into graphs; an MoE step's expert groups are data-dependent
         enforce_eager = enforce_eager or self.tp is not None or checkpoint.config.num_experts > 0
+        serves_lora = lora is not None and lora.enable_lora
+        if serves_lora and self.tp is not None:
+            raise ConfigError("--enable-lora with --tensor-parallel-size > 1 is not supported in this version")
+        enforce_eager = enforce_eager or serves_lora  # the compiled step and graphs hold no adapter deltas
         self.device, self.dtype = device, dtype
         self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
         if self.tp is not None and self.cpu_threads is not None:  # the ranks share this machine's cores
@@ -104,6 +112,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM = load_model(load_from, dtype, device, self.attn_backend, max_model_len,
                                                    cpu_fused_ops(device), quantization, self.tp, int8_activations)
         self.max_model_len, self.attention_kind = max_model_len, attention
+        self.lora = LoRAManager(self.model, lora, self.config, dtype, device) if lora and serves_lora else None
         draft_bytes = draft_setup.kv_bytes_per_block(speculative, self.config, self.block_size, dtype)
         self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens,
                                                                               draft_bytes)
@@ -301,7 +310,8 @@ class ModelRunner:
         self._update_states(output)
         if not output.scheduled:
             return ModelOutput({}, {})
-        logits, scored, pooled = self._run_model(output)
+        with self._adapter_rows(output):
+            logits, scored, pooled = self._run_model(output)
         if not self.samples:
             return ModelOutput({}, {})
         rows = [i for i, s in enumerate(output.scheduled) if s.sample]
@@ -316,6 +326,15 @@ class ModelRunner:
         if self.speculator is not None:
             drafts = self.speculator.propose([output.scheduled[i] for i in rows], self.states)
         return result._replace(prompt_logprobs=scored, draft_token_ids=drafts, pooled=pooled)
+
+    def add_lora(self, name: str, path: str) -> int:
+        if self.lora is None:
+            raise ConfigError("LoRA adapters need --enable-lora")
+        return self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(name)
 
     def _update_states(self, output: SchedulerOutput) -> None:
         """Forget finished requests, restart preempted ones, start new ones. A grammar is compiled only
@@ -337,6 +356,16 @@ class ModelRunner:
                 grammar = new_matcher(self._compiled_grammar(new.grammar))
             self.states[new.request_id] = SamplingRequestState(new.sampling_params, new.prompt_token_ids,
                                                                 grammar=grammar)
+        if self.lora is not None:
+            self.lora.track(output)
+
+    def _adapter_rows(self, output: SchedulerOutput) -> AbstractContextManager[None]:
+        """While the model runs, each scheduled request's rows get its LoRA adapter's deltas (its
+        tokens are consecutive rows: with adapters nothing is compiled, so no row-per-token layout)."""
+        if self.lora is None:
+            return nullcontext()
+        return self.lora.rows([s.request_id for s in output.scheduled], [len(s.token_ids) for s in output.scheduled],
+                              self.device)
 
     def _run_model(self, output: SchedulerOutput
                    ) -> tuple[torch.Tensor, dict[str, list[PromptLogprob]], dict[str, list[float]]]:

@@ -14,6 +14,7 @@ from ferrylm.model.quant.base import QuantMethod, StoredWeight, UnquantizedMetho
 if TYPE_CHECKING:
     from ferrylm.model.loaders.gguf_loader import GGUFTensor
     from ferrylm.model.loaders.int4_checkpoint import Int4Tensor
+    from ferrylm.model.lora.slots import LoRASlots
 
 
 class RMSNorm(nn.Module):
@@ -150,16 +151,21 @@ class Linear(nn.Module):
     packed: StoredWeight
     gguf_shards: list[tuple[int, GGUFTensor | torch.Tensor]]
     int4_shards: list[tuple[int, Int4Tensor | torch.Tensor]]
+    lora: LoRASlots | None  # --enable-lora: resident adapters' matrices (model/lora/), added per row group
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: QuantMethod | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.lora = None
         self.quant = quant if quant is not None else UnquantizedMethod()
         self.quant.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant.apply(self, x)
+        y = self.quant.apply(self, x)
+        if self.lora is not None and self.lora.step.groups:
+            return self.lora.add_delta(x, y)
+        return y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, quant={self.quant.name}"

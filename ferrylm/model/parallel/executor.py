@@ -42,6 +42,12 @@ class TensorParallelExecutor:
     def write_kv_blocks(self, block_ids: list[int], data: Any) -> None:
         self.runner.write_kv_blocks(block_ids, data)
 
+    def add_lora(self, name: str, path: str) -> int:
+        return self.runner.add_lora(name, path)  # refused: the runner serves no adapters under TP yet
+
+    def remove_lora(self, name: str) -> None:
+        self.runner.remove_lora(name)
+
     def use_grammars(self, compiled: Callable[[str], Any] | None) -> None:
         self.runner.use_grammars(compiled)  # rank 0 samples: the other ranks never need a grammar
 

@@ -72,7 +72,8 @@ def build_runner(config: EngineConfig, tp_group: Any = None, compile_in_child: b
                          enforce_eager=config.enforce_eager, quantization=config.quant,
                          speculative=config.speculative, tp=tp_group, int8_activations=int8_activations,
                          expert_parallel=config.enable_expert_parallel,
-                         compile_elsewhere=(lambda: compile_elsewhere(config)) if compile_in_child else None)
+                         compile_elsewhere=(lambda: compile_elsewhere(config)) if compile_in_child else None,
+                         lora=config.lora)
     return runner, source, max_model_len
 
 

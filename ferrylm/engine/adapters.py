@@ -1,0 +1,57 @@
+"""The LoRA adapters an engine serves, by name: loaded and unloaded between steps through the
+executor (which reads and holds their matrices), listed for /v1/models, checked when a request names one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ferrylm.config import ConfigError, LoRAConfig
+from ferrylm.executor import Executor, LoRAError
+
+
+class AdapterBusy(RuntimeError):
+    """Unloading an adapter that requests are still running or waiting on (HTTP 409)."""
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    name: str
+    path: str
+    rank: int
+
+
+class Adapters:
+    """Name → adapter for one engine. `in_use(name)`: requests of that adapter not yet finished."""
+
+    def __init__(self, config: LoRAConfig, executor: Executor, in_use: Callable[[str], int]):
+        self.config, self._executor, self._in_use = config, executor, in_use
+        self._loaded: dict[str, LoRAInfo] = {}
+
+    def add(self, name: str, path: str) -> LoRAInfo:
+        """Load (or replace, when idle) the adapter `name`; raises LoRAError naming what is wrong."""
+        if not self.config.enable_lora:
+            raise ConfigError("LoRA adapters need --enable-lora")
+        if not name or not isinstance(name, str) or len(name) > 256:
+            raise LoRAError("a LoRA adapter needs a name of 1 to 256 characters")
+        if name in self._loaded and self._in_use(name):
+            raise AdapterBusy(f"LoRA adapter {name!r} has requests running; unload it when they finish")
+        info = LoRAInfo(name, path, self._executor.add_lora(name, path))
+        self._loaded[name] = info
+        return info
+
+    def remove(self, name: str) -> None:
+        if name not in self._loaded:
+            raise KeyError(name)
+        busy = self._in_use(name)
+        if busy:
+            raise AdapterBusy(f"LoRA adapter {name!r} has {busy} request(s) running or waiting; unload it "
+                              "when they finish")
+        self._executor.remove_lora(name)
+        del self._loaded[name]
+
+    def get(self, name: str) -> LoRAInfo | None:
+        return self._loaded.get(name)
+
+    def list(self) -> list[LoRAInfo]:
+        return list(self._loaded.values())

@@ -1,0 +1,129 @@
+"""LoRA adapters in peft's format, chosen per request: FerryLM greedy equals peft's merged model
+(merge_and_unload) token for token in float32, alone and in one mixed batch with the base model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ferrylm.engine.adapters import AdapterBusy
+from ferrylm.engine.llm import LLM
+from ferrylm.engine.scheduler import RequestRejected
+from ferrylm.executor import LoRAError
+from ferrylm.lora_request import LoRARequest
+from ferrylm.sampling_params import SamplingParams
+from tests.model.lora_adapters import make_adapter, merged_greedy
+from tests.model.tiny_models import add_word_tokenizer, make_tiny_model
+
+pytest.importorskip("peft")
+
+MAX_TOKENS = 32
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+           [1, 44, 45, 46], [1, 200, 201, 202, 203, 204, 205], [1, 5, 9, 33, 70, 100, 7, 8, 9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = add_word_tokenizer(make_tiny_model("llama", root / "base"))
+    adapters = {
+        "attn8": make_adapter(base, root / "attn8", 8, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1),
+        "all16": make_adapter(base, root / "all16", 16, seed=2, rslora=True),
+        "mlp8": make_adapter(base, root / "mlp8", 8, ("gate_proj", "up_proj", "down_proj"), seed=3, alpha=4),
+    }
+    plan = [("attn8", 0), ("all16", 1), ("mlp8", 2), (None, 3)]  # (adapter, prompt) per request
+    refs = [merged_greedy(base, adapters[name] if name else None, PROMPTS[p], MAX_TOKENS) for name, p in plan]
+    return base, adapters, plan, refs
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _requests(adapters, plan):
+    return [LoRARequest(name, i + 1, str(adapters[name])) if name else None for i, (name, _) in enumerate(plan)]
+
+
+@pytest.mark.parametrize("max_loras", [4, 1])
+def test_mixed_batch_equals_peft_merged(tiny, max_loras):
+    """Three adapters and the base model in one batch (max_loras=1: the scheduler runs one adapter's
+    requests at a time), chunked prefill (8-token steps) and prefix caching on: every request's tokens
+    are its merged twin's."""
+    base, adapters, plan, refs = tiny
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=max_loras, max_lora_rank=16,
+              max_num_batched_tokens=8)
+    assert _greedy(llm, [PROMPTS[p] for _, p in plan], _requests(adapters, plan)) == refs
+
+
+def test_each_adapter_alone_and_no_shared_kv(tiny):
+    """Alone, in turn: prompt 3 (a prefix of prompt 0's first 12 tokens) runs after prompt 0 of another
+    adapter; a shared KV block would carry attn8's K/V into the base model's answer."""
+    base, adapters, plan, refs = tiny
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4)
+    loras = _requests(adapters, plan)
+    for (_, p), lora, ref in zip(plan, loras, refs):
+        assert _greedy(llm, [PROMPTS[p]], [lora]) == [ref]
+    assert llm.engine.adapters.get("attn8").rank == 8
+    assert _greedy(llm, [PROMPTS[0]], [None])[0] != refs[0]  # the base model's own answer
+
+
+def _copy_adapter(src, dst, edit=None, config_edit=None):
+    dst.mkdir()
+    settings = json.loads((src / "adapter_config.json").read_text())
+    if config_edit:
+        config_edit(settings)
+    (dst / "adapter_config.json").write_text(json.dumps(settings))
+    data = (src / "adapter_model.safetensors").read_bytes()
+    (dst / "adapter_model.safetensors").write_bytes(edit(data) if edit else data)
+    return dst
+
+
+def test_bad_adapters_are_refused_naming_why(tiny, tmp_path):
+    base, adapters, _, _ = tiny
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
+    cases = {
+        "rank 16 is above --max-lora-rank 8": adapters["all16"],
+        "corrupt": _copy_adapter(adapters["attn8"], tmp_path / "trunc", edit=lambda b: b[:len(b) // 2]),
+        "use_dora": _copy_adapter(adapters["attn8"], tmp_path / "dora",
+                                  config_edit=lambda s: s.update(use_dora=True)),
+        "no adapter_config.json": tmp_path,
+        "lora_A": _copy_adapter(adapters["attn8"], tmp_path / "rank", config_edit=lambda s: s.update(r=4)),
+    }
+    for reason, path in cases.items():
+        with pytest.raises(LoRAError, match=reason):
+            llm.engine.adapters.add("bad", str(path))
+    assert llm.engine.adapters.list() == []
+    with pytest.raises(RequestRejected, match="not loaded"):
+        llm.engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), lora_name="missing")
+
+
+def test_untargetable_module_is_refused(tiny, tmp_path):
+    base, _, _, _ = tiny
+    path = make_adapter(base, tmp_path / "head", 4, ("q_proj", "lm_head"), seed=4)
+    llm = LLM(str(base), dtype="float32", enable_lora=True)
+    with pytest.raises(LoRAError, match="lm_head"):
+        llm.engine.adapters.add("head", str(path))
+
+
+def test_unload_refused_while_its_requests_run(tiny):
+    base, adapters, _, _ = tiny
+    llm = LLM(str(base), dtype="float32", enable_lora=True)
+    llm.engine.adapters.add("attn8", str(adapters["attn8"]))
+    llm.engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True), lora_name="attn8")
+    llm.engine.step()
+    with pytest.raises(AdapterBusy, match="attn8"):
+        llm.engine.adapters.remove("attn8")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.engine.adapters.remove("attn8")
+    assert llm.engine.adapters.list() == []
+
+
+def test_lora_needs_enable_lora(tiny):
+    base, adapters, _, _ = tiny
+    llm = LLM(str(base), dtype="float32")
+    with pytest.raises(Exception, match="--enable-lora"):
+        llm.engine.adapters.add("attn8", str(adapters["attn8"]))
