@@ -100,6 +100,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-key", default=os.environ.get("FERRYLM_KV_TRANSFER_KEY"),
                    help="with --kv-role: the replica-to-replica secret the KV routes require (the gateway's "
                         "--kv-transfer-key); API and tenant keys get 403 there (env FERRYLM_KV_TRANSFER_KEY)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="with --enable-lora: peft adapters loaded at start-up, each served under its NAME (a "
+                        'request\'s "model"); NAME=PATH or vLLM\'s JSON {"name": ..., "path": ...}')
+    p.add_argument("--lora-admin-key", default=os.environ.get("FERRYLM_LORA_ADMIN_KEY"),
+                   help="with --enable-lora: the secret POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "require (off without it); API and tenant keys get 403 there (env FERRYLM_LORA_ADMIN_KEY)")
     p.add_argument("--max-kv-transfer-bytes", type=int, default=1 << 30,
                    help="a POST /v1/kv/import body larger than this gets 413 (a 4k-token SmolLM2 prompt is ~94 MB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -210,7 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible HTTP server until SIGTERM (drained) or SIGINT."""
     from ferrylm.config import ConfigError
     from ferrylm.engine.engine import Engine
-    from ferrylm.server.config import ServerConfig
+    from ferrylm.server.config import ServerConfig, parse_lora_modules
     from ferrylm.server.launcher import run_server
 
     try:
@@ -246,6 +252,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_transfer_key=args.kv_transfer_key,
             max_kv_transfer_bytes=args.max_kv_transfer_bytes, tracing=tracing, tenant_metrics=tenant_metrics,
             tensor_parallel_size=engine_config.tensor_parallel_size, reasoning_parser=args.reasoning_parser,
+            lora_modules=parse_lora_modules(args.lora_modules), lora_admin_key=args.lora_admin_key,
+            enable_lora=engine_config.lora.enable_lora,
             **pooler_from_args(args))
     except ConfigError as e:
         print(f"ferrylm serve: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
+from ferrylm.engine.adapters import LoRAInfo
 from ferrylm.engine.client import EngineDeadError, ModelInfo
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
@@ -38,6 +39,7 @@ class _Add(NamedTuple):
     loop: asyncio.AbstractEventLoop
     admitted: asyncio.Future
     output_kind: RequestOutputKind
+    lora_name: str | None = None
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None) -> None:
@@ -166,8 +168,8 @@ class AsyncEngine:
         return f"{request_id}#{next(self._keys)}"
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-                          ) -> "RequestStream":
+                          priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                          lora_name: str | None = None) -> "RequestStream":
         """Admit a request and return its output stream; raises RequestRejected / SamplingParamsError.
 
         `request_id` labels the outputs and may repeat across requests. Closing the stream before it
@@ -181,7 +183,7 @@ class AsyncEngine:
         admitted = loop.create_future()
         key = self._new_key(request_id)
         self._queues[key] = (loop, queue)
-        command = _Add(key, prompt, params, priority, loop, admitted, output_kind)
+        command = _Add(key, prompt, params, priority, loop, admitted, output_kind, lora_name)
         self._count_pending(command, +1)
         self._commands.append(command)
         self._wake.set()
@@ -204,6 +206,17 @@ class AsyncEngine:
         ValueError for a bad body or hashes, kv_transfer.KVLayoutMismatch for another layout."""
         kv = await asyncio.to_thread(KVBlocks.from_bytes, body)
         return await asyncio.to_thread(self._between_steps, lambda: self.engine.import_prefix_kv(kv))
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Load (or replace) the adapter `name` between steps; raises LoRAError / AdapterBusy."""
+        return await asyncio.to_thread(self._between_steps, lambda: self.engine.adapters.add(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget `name` between steps; KeyError if not loaded, AdapterBusy while its requests run."""
+        await asyncio.to_thread(self._between_steps, lambda: self.engine.adapters.remove(name))
+
+    def lora_adapters(self) -> list[LoRAInfo]:
+        return self.engine.adapters.list()
 
     def _between_steps(self, work: Callable[[], Any]) -> Any:
         """Run `work` on the caller's thread while the loop is between steps (it holds the lock in one)."""
@@ -259,7 +272,7 @@ class AsyncEngine:
             self._count_pending(command, -1)
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
-                                        output_kind=command.output_kind)
+                                        output_kind=command.output_kind, lora_name=command.lora_name)
             except Exception as e:  # noqa: BLE001 - a rejection belongs to the caller, not the loop
                 _resolve(command.loop, command.admitted, e)
             else:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from ferrylm.engine.adapters import LoRAInfo
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import RequestOutput, RequestOutputKind
 from ferrylm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -45,8 +46,14 @@ class EngineClient(Protocol):
     error: BaseException | None  # why it stopped, if it did
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-                          ) -> RequestStreamLike: ...
+                          priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                          lora_name: str | None = None) -> RequestStreamLike: ...
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo: ...  # LoRAError, AdapterBusy
+
+    async def unload_lora(self, name: str) -> None: ...  # KeyError, AdapterBusy
+
+    def lora_adapters(self) -> list[LoRAInfo]: ...
 
     async def prepare_structured_output(self, spec: StructuredOutputsParams) -> None: ...
     # compiles (cached) the constraint; raises ValueError with `param` when it cannot be enforced

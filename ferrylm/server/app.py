@@ -15,7 +15,7 @@ from http import HTTPStatus
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from ferrylm.engine.async_engine import AsyncEngine
@@ -53,7 +53,18 @@ from ferrylm.observability.dashboard.routes import dashboard_router
 from ferrylm.observability.metrics import SequenceTimer
 from ferrylm.outputs import RequestOutput
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
-from ferrylm.server import gatekeeping, inputs, kv_routes, messages, prompts, responses, serving, structured, tokenize
+from ferrylm.server import (
+    gatekeeping,
+    inputs,
+    kv_routes,
+    lora_routes,
+    messages,
+    prompts,
+    responses,
+    serving,
+    structured,
+    tokenize,
+)
 from ferrylm.server.auth import require_api_key
 from ferrylm.server.config import ServerConfig
 from ferrylm.server.embeddings import embeddings_shaper
@@ -91,7 +102,8 @@ async def _start(state: ServerState, engine: EngineClient, ctx: ResponseContext,
                                "stream": bool(req.stream), "user": req.user})
     fanout = Fanout(engine, ctx.request_id, prompts, params, priority,
                     observer_factory=lambda: SequenceTimer(state.metrics, ctx.start, tenant), registry=state.drain,
-                    max_backlog=state.config.max_stream_backlog if req.stream else None)
+                    max_backlog=state.config.max_stream_backlog if req.stream else None,
+                    lora_name=state.adapter_of(ctx.model))
     try:
         await fanout.start()
     except (RequestRejected, SamplingParamsError) as e:
@@ -300,13 +312,19 @@ async def count_message_tokens(request: Request) -> JSONResponse:
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     await gatekeeping.authenticate(request, state)  # 401 as on the other /v1 routes
-    return ModelList(data=[_model_card(state, name) for name in state.config.served_model_names])
+    adapters = state.engine.lora_adapters() if state.engine is not None and state.config.enable_lora else []
+    return ModelList(data=[_model_card(state, name) for name in state.config.served_model_names]
+                     + [_model_card(state, a.name) for a in adapters])
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
-    """The card of served name `name` (root and context length once the engine is up)."""
+    """The card of served name `name` (root and context length once the engine is up); a LoRA
+    adapter's, as vLLM's, has its directory as root and the base model's served name as parent."""
     info = state.engine.model_info if state.engine is not None else None
-    return ModelCard(id=name, root=info.model if info is not None else None,
+    adapter = state.adapter_of(name)
+    root = next((a.path for a in state.engine.lora_adapters() if a.name == adapter), None) \
+        if adapter is not None and state.engine is not None else info.model if info is not None else None
+    return ModelCard(id=name, root=root, parent=state.config.model_name if adapter is not None else None,
                      max_model_len=info.max_model_len if info is not None else None)
 
 
@@ -479,6 +497,12 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     kv.add_api_route("/import", kv_routes.kv_import, methods=["POST"],
                      responses=error_responses(400, 404, 409, 413, 503))
     app.include_router(kv)
+    lora = APIRouter(prefix="/v1", responses=error_responses(400, 401, 403, 404, 409, 503))  # --lora-admin-key
+    lora.add_api_route("/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"],
+                       response_class=PlainTextResponse)
+    lora.add_api_route("/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"],
+                       response_class=PlainTextResponse)
+    app.include_router(lora)
     tokens = APIRouter(dependencies=[Depends(require_api_key)], responses=error_responses(400, 401, 404, 503))
     tokens.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"], response_model=TokenizeResponse,
                          openapi_extra=json_body_openapi(TokenizeRequest))

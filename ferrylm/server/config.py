@@ -42,6 +42,9 @@ class ServerConfig:
     runner: str = "generate"  # --runner (vLLM's): generate, or pooling (POST /v1/embeddings only)
     pooling_type: str = "last"  # --pooler-config's pooling_type: last | mean | cls
     pooling_normalize: bool = True  # --pooler-config's normalize: L2-normalise the vectors
+    enable_lora: bool = False  # the engine's --enable-lora (adapters are served by name)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: (name, peft directory) loaded at start-up
+    lora_admin_key: str | None = None  # --lora-admin-key: the only credential the load/unload routes take
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -64,6 +67,15 @@ class ServerConfig:
         if self.kv_transfer_key is not None and (len(self.kv_transfer_key) < 16
                                                  or self.kv_transfer_key == self.api_key):
             raise ConfigError("--kv-transfer-key must be at least 16 characters and differ from --api-key")
+        if (self.lora_modules or self.lora_admin_key) and not self.enable_lora:
+            raise ConfigError("--lora-modules and --lora-admin-key need --enable-lora")
+        if self.lora_admin_key is not None and (len(self.lora_admin_key) < 16 or self.lora_admin_key in (
+                self.api_key, self.kv_transfer_key)):
+            raise ConfigError("--lora-admin-key must be at least 16 characters and differ from --api-key and "
+                              "--kv-transfer-key")
+        clash = sorted({name for name, _ in self.lora_modules} & set(self.served_model_names))
+        if clash:
+            raise ConfigError(f"--lora-modules names {clash} are also served model names")
         if self.max_kv_transfer_bytes < 1024:
             raise ConfigError("--max-kv-transfer-bytes must be at least 1024")
         if self.max_body_bytes < 1024:
@@ -75,3 +87,28 @@ class ServerConfig:
     def model_name(self) -> str:
         """The name responses and metrics report (the first served name, as vLLM does)."""
         return self.served_model_names[0]
+
+
+def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """--lora-modules: NAME=PATH or vLLM's JSON object {"name": ..., "path": ...} each."""
+    import json
+
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+                name, path = item["name"], item["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"--lora-modules {value!r}: JSON needs \"name\" and \"path\"") from None
+        else:
+            name, sep, path = value.partition("=")
+            if not sep:
+                raise ConfigError(f"--lora-modules {value!r}: expected NAME=PATH")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise ConfigError(f"--lora-modules {value!r}: NAME and PATH must be non-empty")
+        modules.append((name, path))
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise ConfigError("--lora-modules names must be unique")
+    return tuple(modules)

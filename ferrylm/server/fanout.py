@@ -62,7 +62,8 @@ class Fanout:
 
     def __init__(self, client: EngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  priority: int = 0, observer_factory: Callable[[], SequenceObserver] | None = None,
-                 registry: FanoutRegistry | None = None, max_backlog: int | None = None):
+                 registry: FanoutRegistry | None = None, max_backlog: int | None = None,
+                 lora_name: str | None = None):
         self.request_id = request_id
         self.prompts = prompts
         self.n = params.n
@@ -77,6 +78,7 @@ class Fanout:
         self._parents = [ParentRequest(request_id if len(prompts) == 1 else f"{request_id}-{p}", params)
                          for p in range(len(prompts))]
         self._max_backlog = max_backlog
+        self._lora_name = lora_name  # the LoRA adapter every engine request runs through
         self._overflowed = False
 
     @property
@@ -95,7 +97,7 @@ class Fanout:
         jobs = [(*self._parent(index), self.prompts[index // self.n]) for index in range(self.num_choices)]
         streams = await asyncio.gather(
             *(self._client.add_request(parent.child_id(j), prompt, parent.child_params(j), self._priority,
-                                       ParentRequest.output_kind)
+                                       ParentRequest.output_kind, lora_name=self._lora_name)
               for parent, j, prompt in jobs), return_exceptions=True)
         failed = next((s for s in streams if isinstance(s, BaseException)), None)
         if failed is not None:

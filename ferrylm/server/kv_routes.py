@@ -10,40 +10,20 @@ with a --kv-role that does not serve the route: 404 (without any, no credential 
 
 from __future__ import annotations
 
-import secrets
-
 from fastapi import Request, Response
 
 from ferrylm.http.body import read_json_body, read_raw_body
 from ferrylm.http.errors import APIError, invalid
 from ferrylm.kv_transfer import KVLayoutMismatch
 from ferrylm.sampling_params import SamplingParamsError, check_cache_salt
-from ferrylm.server.auth import require_api_key
+from ferrylm.server.internal_auth import require_secret
 from ferrylm.server.state import ServerState
-
-
-async def check_transfer_key(request: Request, state: ServerState) -> None:
-    """Pass only the transfer key (compared in constant time). Anything else: 401 for a credential
-    /v1 would refuse too (none, wrong, revoked), 403 for one it accepts (an API or tenant key)."""
-    expected = state.config.kv_transfer_key
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if expected is not None and scheme.lower() == "bearer" and \
-            secrets.compare_digest(token.strip().encode(), expected.encode()):
-        return
-    if not token.strip():
-        raise APIError(401, "KV transfer needs the replicas' transfer credential (Authorization: Bearer).",
-                       code="invalid_api_key", type_="invalid_request_error")
-    await require_api_key(request)
-    if state.gateway is not None:
-        await state.gateway.authenticate(request.headers)
-    raise APIError(403, "KV transfer is an internal replica-to-replica API; API and tenant keys cannot use it.",
-                   code="permission_denied", type_="invalid_request_error")
 
 
 async def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerState:
     """The server state for the transfer credential (401/403 before anything is said about the role)."""
     state: ServerState = request.app.state.ferry
-    await check_transfer_key(request, state)
+    await require_secret(request, state, state.config.kv_transfer_key, "KV transfer (replica to replica)")
     if state.config.kv_role not in roles:
         raise APIError(404, f"KV {what} is off on this replica: start it with --kv-role {' or '.join(roles)}.",
                        code="not_found", type_="invalid_request_error")

@@ -78,6 +78,8 @@ class ServerState:
             engine = await asyncio.to_thread(self._engine_factory)
             self.engine = async_engine = AsyncEngine(engine)
             async_engine.start()
+            for name, path in self.config.lora_modules:  # --lora-modules: a bad adapter fails the start
+                await async_engine.load_lora(name, path)
             self.probe = ReadinessProbe(async_engine, engine.tokenizer.encode("ok"), self.config.ready_timeout_s)
             await self._warm_up(async_engine, engine)
         except Exception as e:  # noqa: BLE001 - a server that cannot load must say why and exit
@@ -124,9 +126,16 @@ class ServerState:
         return self.engine
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to answer with; 404 model_not_found for a model this server does not serve."""
+        """The name to answer with; 404 model_not_found for a model this server does not serve (a
+        served name, or a loaded LoRA adapter's)."""
         if requested is None:
             return self.config.model_name
-        if requested not in self.config.served_model_names:
+        if requested not in self.config.served_model_names and self.adapter_of(requested) is None:
             raise model_not_found(requested)
         return requested
+
+    def adapter_of(self, model: str) -> str | None:
+        """The LoRA adapter a request for `model` runs through (None: the base model)."""
+        if model in self.config.served_model_names or self.engine is None or not self.config.enable_lora:
+            return None
+        return model if any(a.name == model for a in self.engine.lora_adapters()) else None

@@ -33,7 +33,7 @@ class FakeEngine:
     def executor_dead(self):
         return None  # nothing runs apart from this engine
 
-    def add_request(self, key, prompt, params, priority=0, output_kind=None):
+    def add_request(self, key, prompt, params, priority=0, output_kind=None, lora_name=None):
         if prompt == [0]:
             raise RequestRejected("no", "prompt")
         self.requests[key] = [0, params.max_tokens]

@@ -51,7 +51,7 @@ class _ScriptedClient:
     def __init__(self, deltas: list[str], reason: FinishReason):
         self.deltas, self.reason = deltas, reason
 
-    async def add_request(self, request_id, prompt, params, priority=0, output_kind=None) -> _Script:
+    async def add_request(self, request_id, prompt, params, priority=0, output_kind=None, lora_name=None) -> _Script:
         return _Script(request_id, self.deltas, self.reason)
 
 

@@ -75,7 +75,7 @@ class FakeEngine:
         self.left: dict[str, int] = {}
         self.emitted: dict[str, int] = {}
 
-    def add_request(self, rid, prompt, params, priority=0, output_kind=RequestOutputKind.CUMULATIVE):
+    def add_request(self, rid, prompt, params, priority=0, output_kind=RequestOutputKind.CUMULATIVE, lora_name=None):
         self.added.append((rid, params.seed, output_kind))
         self.left[rid], self.emitted[rid] = params.seed % 3 + 1, 0
 
@@ -128,7 +128,8 @@ class FakeClient:
     def __init__(self) -> None:
         self.added: list[tuple[str, list[int], int | None]] = []
 
-    async def add_request(self, rid, prompt, params, priority=0, output_kind=RequestOutputKind.CUMULATIVE):
+    async def add_request(self, rid, prompt, params, priority=0, output_kind=RequestOutputKind.CUMULATIVE,
+                          lora_name=None):
         assert output_kind is RequestOutputKind.DELTA and params.n == 1
         self.added.append((rid, prompt, params.seed))
         return FakeStream([delta(rid, "x", [7]), delta(rid, rid, [8], True)])
