@@ -163,7 +163,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant.apply(self, x)
-        if self.lora is not None and self.lora.step.groups:
+        if self.lora is not None and self.lora.step.groups.rows is not None:
             return self.lora.add_delta(x, y)
         return y
 

@@ -14,7 +14,7 @@ from torch import nn
 from ferrylm.config import LoRAConfig, ModelConfig
 from ferrylm.executor import LoRAError
 from ferrylm.model.lora.adapter import MODULE_SLICES, LoRAAdapter, load_adapter
-from ferrylm.model.lora.slots import LoRASlots, StepGroups
+from ferrylm.model.lora.slots import LoRASlots, StepGroups, StepHolder
 from ferrylm.scheduler_output import SchedulerOutput
 
 _FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -24,7 +24,7 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str):
         self.config, self.model_config, self.dtype = config, model_config, dtype
-        self.step = StepGroups()
+        self.step = StepHolder()
         self.slots = _attach(model, self.step, config, model_config, dtype, device)  # (layer, fused) → slots
         self._paths: dict[str, str] = {}
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU, at most config.cpu_capacity
@@ -64,11 +64,11 @@ class LoRAManager:
             if name is not None:
                 rows.setdefault(self._slot(name), []).extend(range(start, start + n))
             start += n
-        self.step.groups = [(slot, torch.tensor(r, dtype=torch.int64, device=device)) for slot, r in rows.items()]
+        self.step.groups = StepGroups.build(rows, self.config.max_loras, self.dtype, device)
         try:
             yield
         finally:
-            self.step.groups = []
+            self.step.groups = StepGroups()
 
     def _slot(self, name: str) -> int:
         """The adapter's slot, writing it into the least recently used one when it is not resident
@@ -105,7 +105,7 @@ class LoRAManager:
             slots.write(slot, per_linear.get(key, {}))
 
 
-def _attach(model: nn.Module, step: StepGroups, config: LoRAConfig, mc: ModelConfig, dtype: torch.dtype,
+def _attach(model: nn.Module, step: StepHolder, config: LoRAConfig, mc: ModelConfig, dtype: torch.dtype,
             device: torch.device | str) -> dict[tuple[int, str], LoRASlots]:
     """LoRASlots on every dense decoder Linear an adapter may target (MoE MLPs get none)."""
     q, kv, inter = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size
