@@ -127,3 +127,42 @@ def test_lora_needs_enable_lora(tiny):
     llm = LLM(str(base), dtype="float32")
     with pytest.raises(Exception, match="--enable-lora"):
         llm.engine.adapters.add("attn8", str(adapters["attn8"]))
+
+
+def test_adapter_on_packed_gguf_weights_equals_dequantized(tiny, tmp_path):
+    """The deltas ride on whatever the base Linear is: a GGUF kept packed (Q4_0/Q4_1/Q8_0 blocks) with
+    an adapter gives the logits of the same file dequantized to float with the same adapter."""
+    import torch
+
+    from ferrylm.config import LoRAConfig, QuantConfig
+    from ferrylm.model.attention.torch_native import TorchNativeBackend
+    from ferrylm.model.forward_batch import ForwardBatch
+    from ferrylm.model.loaders.loader import Checkpoint, load_model
+    from ferrylm.model.loaders.model_source import resolve_model
+    from ferrylm.model.lora.manager import LoRAManager
+    from ferrylm.scheduler_output import NewRequestData, SchedulerOutput
+    from tests.model.test_quant_models import _write_tiny_gguf
+
+    base, adapters, _, _ = tiny
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, base)
+    checkpoint = Checkpoint(resolve_model(str(path)))
+    prompt = PROMPTS[0]
+    step = SchedulerOutput([], [NewRequestData("r", prompt, SamplingParams(), None, "all16")], [], 0)
+
+    def logits(quantization: str | None, with_adapter: bool) -> torch.Tensor:
+        model = load_model(checkpoint, torch.float32, torch.device("cpu"), TorchNativeBackend(),
+                           quantization=None if quantization is None else QuantConfig.parse(quantization))
+        lora = LoRAManager(model, LoRAConfig(enable_lora=True, max_loras=2), model.config, torch.float32, "cpu")
+        lora.add("all16", str(adapters["all16"]))
+        lora.track(step)
+        cfg = model.config
+        caches = [(torch.zeros(8, 16, cfg.num_kv_heads, cfg.head_dim), torch.zeros(8, 16, cfg.num_kv_heads,
+                   cfg.head_dim)) for _ in range(cfg.num_layers)]
+        batch = ForwardBatch.build([prompt], [0], [list(range(8))], 16)
+        with torch.inference_mode(), lora.rows(["r" if with_adapter else "base"], [len(prompt)], "cpu"):
+            return model.compute_logits(model(batch, caches))
+
+    packed = logits(None, True)
+    assert (packed - logits("none", True)).abs().max() <= 1e-5 * packed.abs().max()
+    assert (packed - logits(None, False)).abs().max() > 1e-2 * packed.abs().max()  # the adapter did something
