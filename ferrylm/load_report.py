@@ -49,6 +49,12 @@ class LoadReport:
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
     num_steps_total: int = 0
+    # LoRA (--enable-lora): adapters loaded (a router prefers a replica that holds the one asked for),
+    # those of running and of waiting requests, and the adapters one step may use (0: no LoRA)
+    lora_adapters: list[str] = dataclasses.field(default_factory=list)
+    running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
+    waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
+    max_lora: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -101,7 +107,9 @@ class LoadReport:
         for r in reports:
             for i, v in enumerate(r.spec_decode_num_accepted_tokens_per_pos):
                 per_pos[i] += v
-        return cls(**counts, max_num_seqs=sum(known) if len(known) == len(seqs) else None,
+        names: dict = {f.name: sorted({n for r in reports for n in getattr(r, f.name)})
+                 for f in dataclasses.fields(cls) if f.type == "list[str]"}
+        return cls(**counts, **names, max_num_seqs=sum(known) if len(known) == len(seqs) else None,
                    healthy=any(r.healthy for r in reports), spec_decode_num_accepted_tokens_per_pos=per_pos)
 
 
@@ -116,4 +124,6 @@ def _has_type(value: object, annotation: str) -> bool:
         return value is None or is_int
     if annotation == "list[int]":
         return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if annotation == "list[str]":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     raise TypeError(f"no JSON rule for {annotation}")

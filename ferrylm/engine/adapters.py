@@ -41,6 +41,7 @@ class Adapters:
         return info
 
     def remove(self, name: str) -> None:
+        """Forget `name`; KeyError if not loaded, AdapterBusy while requests of it are unfinished."""
         if name not in self._loaded:
             raise KeyError(name)
         busy = self._in_use(name)

@@ -209,11 +209,20 @@ class AsyncEngine:
 
     async def load_lora(self, name: str, path: str) -> LoRAInfo:
         """Load (or replace) the adapter `name` between steps; raises LoRAError / AdapterBusy."""
-        return await asyncio.to_thread(self._between_steps, lambda: self.engine.adapters.add(name, path))
+        return await asyncio.to_thread(self._between_steps, lambda: self._restat(self.engine.adapters.add(name, path)))
 
     async def unload_lora(self, name: str) -> None:
         """Forget `name` between steps; KeyError if not loaded, AdapterBusy while its requests run."""
-        await asyncio.to_thread(self._between_steps, lambda: self.engine.adapters.remove(name))
+        def unload() -> None:
+            self.engine.adapters.remove(name)
+            self._restat(None)
+
+        await asyncio.to_thread(self._between_steps, unload)
+
+    def _restat(self, result: LoRAInfo | None) -> LoRAInfo | None:
+        """`result`, once the stats snapshot is retaken (else an idle loop leaves /load's adapters stale)."""
+        self._stats = self.engine.stats()
+        return result
 
     def lora_adapters(self) -> list[LoRAInfo]:
         return self.engine.adapters.list()

@@ -36,6 +36,10 @@ def _certain_output_left(request: Request) -> int:
     return min(_output_left(request), max(0, request.sampling_params.min_tokens - request.num_output_tokens))
 
 
+def _adapter_names(requests: list[Request]) -> list[str]:
+    return sorted({r.lora_name for r in requests if r.lora_name is not None})
+
+
 def _swap_setup(config: EngineConfig, executor: Executor) -> tuple[HostBlockPool, PreemptionPolicy]:
     """Swap preemption's host pool, sized like the device pool: --swap-space over the executor's
     bytes per block, at most the host blocks it allocated (a sibling engine may ask for fewer)."""
@@ -262,4 +266,6 @@ class Engine:
             spec_decode_num_accepted_tokens=s.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(s.spec.accepted_per_pos),
             num_swapped=s.num_swapped, num_swapped_out=s.num_swapped_out, num_swapped_in=s.num_swapped_in,
-            num_swap_fallbacks=s.num_swap_fallbacks)
+            num_swap_fallbacks=s.num_swap_fallbacks, lora_adapters=sorted(a.name for a in self.adapters.list()),
+            running_lora_adapters=_adapter_names(running), waiting_lora_adapters=_adapter_names(waiting),
+            max_lora=self.config.lora.max_loras if self.config.lora.enable_lora else 0)

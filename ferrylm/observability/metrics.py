@@ -77,7 +77,19 @@ class EngineStatsCollector(Collector):
         for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos if s else ()):
             per_pos.add_metric([self._model_name, str(pos)], float(value))
         families.append(per_pos)
+        families.append(_lora_info(s))
         return families
+
+
+def _lora_info(s: LoadReport | None) -> Metric:
+    """vLLM's `lora_requests_info` (under our prefix): the adapters of running and waiting requests as labels (comma
+    separated), the value the scrape time; present only under --enable-lora."""
+    family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                               labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    if s is not None and s.max_lora:
+        family.add_metric([str(s.max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
+                          time.time())
+    return family
 
 
 class ThroughputCollector(Collector):

@@ -207,7 +207,8 @@ async def _route_context(state: GatewayState, group: ModelGroup,
     return RouteContext(reserved.prompt_tokens, reserved.output_tokens, info.hashes, info.key,
                         block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks, n * len(info.prompt_lens),
                         Usage.of(info.prompt_lens, 0).prompt_tokens,
-                        info.token_ids if group.config.prefill_upstreams else (), cache_salt)
+                        info.token_ids if group.config.prefill_upstreams else (), cache_salt,
+                        req.model if state.registry.is_adapter(req.model) else None)
 
 
 RequestModel = (type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest] | type[MessagesRequest]
@@ -279,7 +280,8 @@ async def _admit(request: Request, state: GatewayState, model_cls: RequestModel,
     admission = None
     if state.gateway is not None:
         client = request.client.host if request.client else None
-        admission = await state.gateway.admit(request.headers, client, group.name, ctx.prompt_tokens,
+        # a LoRA adapter is allowed by its own name in a tenant's model list; anything else by its group's
+        admission = await state.gateway.admit(request.headers, client, ctx.adapter or group.name, ctx.prompt_tokens,
                                               ctx.expected_output, state.group_load(group), request_id=request_id,
                                               principal=principal, num_sequences=ctx.num_sequences,
                                               request_charge=charge)
@@ -427,9 +429,15 @@ async def detokenize(request: Request) -> Response:
 
 
 def _model_cards(state: GatewayState) -> dict[str, ModelCard]:
+    """Groups and aliases, then the LoRA adapters the replicas hold (parent: their group)."""
     registry = state.registry
-    return {name: ModelCard(id=name, root=group, max_model_len=registry.groups[group].upstream_max_model_len())
-            for name, group in registry.model_names()}
+    cards = {name: ModelCard(id=name, root=group, max_model_len=registry.groups[group].upstream_max_model_len())
+             for name, group in registry.model_names()}
+    for group in registry.groups.values():
+        for adapter in group.adapters():
+            cards.setdefault(adapter, ModelCard(id=adapter, root=adapter, parent=group.name,
+                                                max_model_len=group.upstream_max_model_len()))
+    return cards
 
 
 async def list_models(request: Request) -> ModelList:
@@ -488,7 +496,7 @@ async def metrics(request: Request) -> Response:
 def build_gateway_app(config: GatewayServerConfig, span_exporter: Any = None) -> FastAPI:
     """`span_exporter` (an OpenTelemetry SpanExporter) turns tracing on without an OTLP endpoint (tests)."""
     state = GatewayState(config, span_exporter)
-    app = FastAPI(title="FerryLM gateway", version="0.1.0", lifespan=state.lifespan)
+    app = FastAPI(title="FerryLM gateway", version=package_version(), lifespan=state.lifespan)
     app.state.ferry = state
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)

@@ -138,11 +138,11 @@ class Dispatcher:
         failure: UpstreamFailure | None = None
         attempts = 0
         for g in self.registry.fallback_chain(group):
-            if g is not group and g.available():
+            if g is not group and g.available(adapter=ctx.adapter):
                 self.metrics.fallbacks.labels(group.name, g.name).inc()
             while attempts < self.config.max_attempts:
                 now = time.monotonic()
-                candidates = g.available(now, frozenset(tried))
+                candidates = g.available(now, frozenset(tried), ctx.adapter)
                 if not candidates:
                     break
                 choice = g.policy.choose(candidates, ctx)
@@ -193,7 +193,8 @@ class Dispatcher:
 
     async def _attempt(self, group: ModelGroup, replica: Replica, path: str, body: dict, headers: dict[str, str],
                        ctx: RouteContext, stream: bool, attempts: int) -> Dispatch:
-        payload = dict(body, model=replica.served_model or group.name)
+        # the replica's own name for the model; a LoRA adapter keeps its name (the replica serves it by it)
+        payload = dict(body, model=ctx.adapter or replica.served_model or group.name)
         if group.config.prefill_upstreams and ctx.prompt_token_ids:  # the disaggregated policy
             moved = await self.prefill.run(group.name, group.config.prefill_upstreams, payload["model"], replica.url,
                                            ctx.prompt_token_ids, headers, ctx.cache_salt)

@@ -27,6 +27,7 @@ class RouteContext(NamedTuple):
     billed_prompt_tokens: int = 0  # each prompt once (outputs.Usage.of), if the replica reports no usage
     prompt_token_ids: tuple[int, ...] = ()  # the one prompt's exact ids (disaggregated prefill), when known
     cache_salt: str | None = None  # the salt the replica hashes the prompt with (gateway/cache_salt.py)
+    adapter: str | None = None  # the LoRA adapter asked for: only replicas that hold it are candidates
 
 
 class Choice(NamedTuple):

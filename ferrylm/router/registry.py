@@ -25,9 +25,17 @@ class ModelGroup:
     def name(self) -> str:
         return self.config.name
 
-    def available(self, now: float | None = None, exclude: frozenset[str] = frozenset()) -> list[Replica]:
+    def available(self, now: float | None = None, exclude: frozenset[str] = frozenset(),
+                  adapter: str | None = None) -> list[Replica]:
+        """Replicas that can take a request now; for a LoRA adapter, only those that hold it (adapter
+        affinity: another replica would answer 404, or load it first)."""
         now = time.monotonic() if now is None else now
-        return [r for r in self.replicas if r.url not in exclude and r.available(now)]
+        return [r for r in self.replicas if r.url not in exclude and r.available(now)
+                and (adapter is None or adapter in r.lora_adapters)]
+
+    def adapters(self) -> list[str]:
+        """LoRA adapters some replica of the group reports loaded (/load's lora_adapters)."""
+        return sorted({name for r in self.replicas for name in r.lora_adapters})
 
     def upstream_block_size(self) -> int | None:
         """The block size the replicas report (they must agree for prefix hashes to match)."""
@@ -64,7 +72,13 @@ class ReplicaRegistry:
         if model is None:
             return self.default_group
         name = self._names.get(model)
-        return self.groups[name] if name is not None else None
+        if name is not None:
+            return self.groups[name]
+        return next((g for g in self.groups.values() if model in g.adapters()), None)
+
+    def is_adapter(self, model: str | None) -> bool:
+        """Whether `model` names a LoRA adapter a replica holds (not a group or an alias)."""
+        return model is not None and model not in self._names and self.resolve(model) is not None
 
     def model_names(self) -> list[tuple[str, str]]:
         """(name clients may use, group it routes to), groups first then aliases."""

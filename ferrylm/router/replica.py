@@ -57,6 +57,11 @@ class Replica:
         return self.ready and self.breaker.available(now)
 
     @property
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters its last /load reported loaded."""
+        return self.load.lora_adapters if self.load is not None else []
+
+    @property
     def outstanding_tokens(self) -> int:
         return self._outstanding
 

@@ -464,7 +464,7 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     """An app serving one model; the engine is built by `engine_factory` in the background at startup.
     `span_exporter` (an OpenTelemetry SpanExporter) turns tracing on without an OTLP endpoint (tests)."""
     state = ServerState(config, engine_factory, span_exporter)
-    app = FastAPI(title="FerryLM", version="0.1.0", lifespan=state.lifespan)
+    app = FastAPI(title="FerryLM", version=package_version(), lifespan=state.lifespan)
     app.state.ferry = state
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)

@@ -103,3 +103,69 @@ def test_mixed_requests_and_runtime_load_unload(setup):
     missing = httpx.post(server.url("/v1/completions"), headers=server.headers(),
                          json={"model": "all16", "prompt": PROMPTS["all16"], "max_tokens": 2})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_load_and_metrics_name_the_adapters(setup):
+    server, _, _ = setup
+    load = httpx.get(server.url("/load"), timeout=30).json()
+    assert load["lora_adapters"] == ["attn8"] and load["max_lora"] == 2
+    metrics = httpx.get(server.url("/metrics"), timeout=30).text
+    assert 'ferrylm:lora_requests_info{max_lora="2"' in metrics
+
+
+@pytest.fixture(scope="module")
+def gateway(setup, tmp_path_factory):
+    """`ferrylm gateway` over the adapter replica and a second replica of the same base without
+    adapters; two tenants whose model lists name the adapter or the base model only."""
+    from tests.e2e.server_process import make_keys
+
+    server, _, _ = setup
+    root = tmp_path_factory.mktemp("lora-gateway")
+    plain = ServerProcess("--model", str(server_base(setup)), "--served-model-name", "base", "--dtype", "float32",
+                          api_key=API_KEY)
+    db = f"sqlite:///{root / 'gw.db'}"
+    keys = make_keys(db, {"lora-only": {"models": ("attn8",)}, "base-only": {"models": ("base",)}})
+    gw = None
+    try:
+        plain.wait_ready()
+        gw = ServerProcess("--upstream", f"base={server.base_url}", "--upstream", f"base={plain.base_url}",
+                           "--upstream-api-key", API_KEY, "--require-auth", "--state-db", db, "--policy",
+                           "round-robin", "--poll-interval", "0.25", "--expose-upstream-header", command="gateway")
+        gw.wait_ready(60)
+        yield gw, keys, server, plain
+    finally:
+        if gw is not None:
+            gw.stop()
+        plain.stop()
+
+
+def server_base(setup) -> str:
+    server, adapters, _ = setup
+    return str(adapters["attn8"].parent / "base")
+
+
+def test_gateway_routes_an_adapter_to_the_replica_that_holds_it(gateway, setup):
+    gw, keys, holder, _ = gateway
+    refs = setup[2]
+    auth = {"Authorization": f"Bearer {keys['lora-only']}"}
+    cards = {m["id"]: m for m in httpx.get(gw.url("/v1/models"), headers=auth, timeout=30).json()["data"]}
+    assert cards["attn8"]["parent"] == "base"
+    for _ in range(4):  # round-robin would send every other one to the replica without it
+        r = httpx.post(gw.url("/v1/completions"), headers=auth, timeout=60, json={
+            "model": "attn8", "prompt": PROMPTS["attn8"], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "skip_special_tokens": False})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-ferrylm-upstream"] == holder.base_url
+        assert [int(w[1:]) for w in r.json()["choices"][0]["text"].split()] == refs["attn8"]
+
+
+def test_tenant_model_lists_name_adapters(gateway):
+    gw, keys, _, _ = gateway
+
+    def status(tenant: str, model: str) -> int:
+        return httpx.post(gw.url("/v1/completions"), headers={"Authorization": f"Bearer {keys[tenant]}"},
+                          json={"model": model, "prompt": [1, 2, 3], "max_tokens": 2}, timeout=60).status_code
+
+    assert (status("lora-only", "attn8"), status("lora-only", "base")) == (200, 403)
+    assert (status("base-only", "base"), status("base-only", "attn8")) == (200, 403)
+    assert status("base-only", "no-such-adapter") == 404
