@@ -166,3 +166,22 @@ def test_adapter_on_packed_gguf_weights_equals_dequantized(tiny, tmp_path):
     packed = logits(None, True)
     assert (packed - logits("none", True)).abs().max() <= 1e-5 * packed.abs().max()
     assert (packed - logits(None, False)).abs().max() > 1e-2 * packed.abs().max()  # the adapter did something
+
+
+@pytest.mark.parametrize("extra", [
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                            "disable_by_batch_size": 8}},
+    {"num_gpu_blocks_override": 7, "preemption_mode": "swap"},
+    {"num_gpu_blocks_override": 7, "preemption_mode": "recompute"},
+], ids=["ngram", "swap", "recompute"])
+def test_speculation_and_preemption_keep_adapter_tokens(tiny, extra):
+    """n-gram drafts are verified through each request's adapter; a request preempted (its blocks
+    swapped out or dropped and recomputed) resumes through its adapter: tokens stay peft's."""
+    base, adapters, plan, refs = tiny
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, block_size=8, **extra)
+    assert _greedy(llm, [PROMPTS[p] for _, p in plan], _requests(adapters, plan)) == refs
+    stats = llm.engine.stats()
+    if "preemption_mode" in extra:
+        assert stats.num_preemptions > 0
+    else:
+        assert stats.spec_decode_num_accepted_tokens > 0
