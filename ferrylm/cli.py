@@ -72,48 +72,20 @@ def pooler_from_args(args: argparse.Namespace) -> dict:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    from ferrylm.server.reasoning import REASONING_PARSERS
+    """ServerConfig's own flags (generated from its `option` fields), then the ones built from several flags
+    or nested configs: --served-model-name (falls back to --model), --runner / --pooler-config, and the groups
+    `ferrylm gateway` shares."""
+    from ferrylm.server.config import add_server_flags
 
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    add_server_flags(p)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use for the model; the first is reported (default: --model)")
-    p.add_argument("--api-key", default=os.environ.get("FERRYLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (env FERRYLM_API_KEY)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
-    p.add_argument("--max-sequences-per-request", type=int, default=256,
-                   help="most prompts x n one API request may ask for (each is an engine request); more get 400")
-    p.add_argument("--max-stream-backlog", type=int, default=4096,
-                   help="outputs a stream may have waiting for a slow reader; past it the request is aborted")
-    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                   help="split a reasoning model's <think>...</think> from its answer: chat's message.reasoning "
-                        "(and reasoning_content), Responses' reasoning item, Messages' thinking block")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                    help="pooling: serve POST /v1/embeddings (the prompt's hidden states pooled) instead of "
                         "generation (auto: generate)")
     p.add_argument("--pooler-config", default=None,
                    help='--runner pooling: JSON, e.g. {"pooling_type": "MEAN", "normalize": true} (default: LAST, '
                         "normalized)")
-    p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None,
-                   help="disaggregated prefill/decode: serve POST /v1/kv/export (prefill), /v1/kv/import (decode) "
-                        "or both; KV blocks move by block hash into the decode replica's prefix cache")
-    p.add_argument("--kv-transfer-key", default=os.environ.get("FERRYLM_KV_TRANSFER_KEY"),
-                   help="with --kv-role: the replica-to-replica secret the KV routes require (the gateway's "
-                        "--kv-transfer-key); API and tenant keys get 403 there (env FERRYLM_KV_TRANSFER_KEY)")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="with --enable-lora: peft adapters loaded at start-up, each served under its NAME (a "
-                        'request\'s "model"); NAME=PATH or vLLM\'s JSON {"name": ..., "path": ...}')
-    p.add_argument("--lora-admin-key", default=os.environ.get("FERRYLM_LORA_ADMIN_KEY"),
-                   help="with --enable-lora: the secret POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
-                        "require (off without it); API and tenant keys get 403 there (env FERRYLM_LORA_ADMIN_KEY)")
-    p.add_argument("--max-kv-transfer-bytes", type=int, default=1 << 30,
-                   help="a POST /v1/kv/import body larger than this gets 413 (a 4k-token SmolLM2 prompt is ~94 MB)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
-    p.add_argument("--ready-timeout", type=float, default=5.0, help="seconds /ready's one-token probe may take")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                   help="/health fails when the engine loop has been silent this long")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_connection_args(p)
     _add_gateway_policy_args(p)
     _add_observability_args(p)
@@ -216,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible HTTP server until SIGTERM (drained) or SIGINT."""
     from ferrylm.config import ConfigError
     from ferrylm.engine.engine import Engine
-    from ferrylm.server.config import ServerConfig, parse_lora_modules
+    from ferrylm.server.config import ServerConfig, server_fields_from_args
     from ferrylm.server.launcher import run_server
 
     try:
@@ -242,18 +214,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     try:
         config = ServerConfig(
-            served_model_names=tuple(args.served_model_name or [args.model]), host=args.host, port=args.port,
-            api_key=args.api_key, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
-            max_sequences_per_request=args.max_sequences_per_request, max_stream_backlog=args.max_stream_backlog,
-            ready_timeout_s=args.ready_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-            test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", log_level=args.log_level,
-            gateway=gateway_config_from_args(args), metrics_require_auth=args.metrics_require_auth,
-            connections=connection_limits_from_args(args), kv_role=args.kv_role,
-            kv_transfer_key=args.kv_transfer_key,
-            max_kv_transfer_bytes=args.max_kv_transfer_bytes, tracing=tracing, tenant_metrics=tenant_metrics,
-            tensor_parallel_size=engine_config.tensor_parallel_size, reasoning_parser=args.reasoning_parser,
-            lora_modules=parse_lora_modules(args.lora_modules), lora_admin_key=args.lora_admin_key,
-            enable_lora=engine_config.lora.enable_lora,
+            served_model_names=tuple(args.served_model_name or [args.model]),
+            test_hooks=os.environ.get("FERRYLM_TEST_HOOKS") == "1", gateway=gateway_config_from_args(args),
+            metrics_require_auth=args.metrics_require_auth, connections=connection_limits_from_args(args),
+            tracing=tracing, tenant_metrics=tenant_metrics, tensor_parallel_size=engine_config.tensor_parallel_size,
+            enable_lora=engine_config.lora.enable_lora, **server_fields_from_args(args),
             **pooler_from_args(args))
     except ConfigError as e:
         print(f"ferrylm serve: {e}", file=sys.stderr)

@@ -13,12 +13,15 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str, *, name: str | None = None, choices: tuple[str, ...] | None = None,
-           parse: Callable[[str], Any] | None = None, short: str | None = None) -> Any:
-    """A config field that is also an engine flag and an `LLM()` keyword (engine_args.py generates both):
-    its default and help text live here only. `name`: the flag/keyword when it differs from the field's
-    (vLLM's spelling); `parse`: the flag's text to the field's value."""
+           parse: Callable[[Any], Any] | None = None, short: str | None = None, env: str | None = None,
+           nargs: str | None = None, metavar: str | None = None) -> Any:
+    """A config field that is also a command-line flag (config_flags.py generates it; the engine's are
+    `LLM()` keywords too): its default and help text live here only. `name`: the flag/keyword when it
+    differs from the field's (vLLM's spelling); `parse`: the flag's text to the field's value (with
+    `nargs`, the list of texts, converted when the config is built); `env`: a variable whose value, when
+    set, is the flag's default (for secrets kept off the command line)."""
     return field(default=default, metadata={"help": help, "name": name, "choices": choices, "parse": parse,
-                                             "short": short})
+                                             "short": short, "env": env, "nargs": nargs, "metavar": metavar})
 
 
 @dataclass(frozen=True)
