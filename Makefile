@@ -39,7 +39,7 @@ lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, se
 	$(VENV)/bin/ruff check ferrylm tests bench
 	$(VENV)/bin/mypy ferrylm/engine ferrylm/server ferrylm/gateway ferrylm/router ferrylm/http ferrylm/model \
 	    ferrylm/observability ferrylm/load_report.py ferrylm/request_limits.py ferrylm/outputs.py ferrylm/sampling_params.py \
-	    ferrylm/config.py ferrylm/engine_args.py ferrylm/executor.py
+	    ferrylm/config.py ferrylm/engine_args.py ferrylm/config_flags.py ferrylm/executor.py ferrylm/lora_request.py
 
 # Two pytest workers, a test file each at a time (module fixtures start their servers once), each at one
 # compute thread (tests/conftest.py): one worker's start-up or idle wait overlaps the other's compute

@@ -65,7 +65,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    prompts = [f"Write a short note number {i} about ferries, harbours and the sea at dawn." for i in range(args.streams)]
+    prompts = [f"Write a short note number {i} about ferries, harbours and the sea at dawn."
+               for i in range(args.streams)]
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(Path(tmp), args.adapters, args.rank)
         lora = LLM("smollm2-135m", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
