@@ -93,10 +93,15 @@ class CacheConfig:
                                       "scale), fp8_e5m2, int8 (a scale per token and KV head); 1-byte codes "
                                       "hold twice the tokens", name="kv_cache_dtype", choices=KV_CACHE_DTYPE_CHOICES)
     swap_space: float = option(4.0, "GiB of host memory for KV blocks of requests preempted by swap (0: no swap)")
+    kv_offload_cpu_gib: float = option(
+        0.0, "GiB of host memory under the prefix cache: cached blocks evicted from the KV pool are kept there "
+             "and loaded back when a prompt needs them again (agent turns after a tool call; 0: off)")
 
     def __post_init__(self) -> None:
         if not self.swap_space >= 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB, not {self.swap_space!r}")
+        if not self.kv_offload_cpu_gib >= 0:
+            raise ConfigError(f"--kv-offload-cpu-gib must be >= 0 GiB, not {self.kv_offload_cpu_gib!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

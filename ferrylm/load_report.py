@@ -55,6 +55,14 @@ class LoadReport:
     running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     max_lora: int = 0
+    # the prefix cache's host tier (--kv-offload-cpu-gib): prompt tokens loaded back from it instead of
+    # recomputed (cumulative, part of prefix_cache_hits), blocks copied to it / back (cumulative), and
+    # its occupancy now
+    kv_offload_hit_tokens: int = 0
+    kv_offload_blocks_out: int = 0
+    kv_offload_blocks_in: int = 0
+    kv_offload_blocks_used: int = 0
+    kv_offload_blocks_total: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -12,6 +12,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ferrylm.engine.prefix_tier import HostPrefixTier
+
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block hash, token ids of this block)
 # The "parent" of an unsalted prompt's first block (a salted prompt's is root_hash(salt)).
 ROOT_HASH = 0
@@ -72,14 +74,17 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take n blocks from the LRU end, evicting their cache entries; caller checked num_free."""
+    def allocate(self, n: int, evicted: list[tuple[int, BlockKey]] | None = None) -> list[int]:
+        """Take n blocks from the LRU end, evicting their cache entries; caller checked num_free.
+        `evicted` collects (block id, key) of each cached block evicted (its K/V is still there)."""
         ids = []
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.key is not None:
                 del self.cached[block.key]
+                if evicted is not None:
+                    evicted.append((block_id, block.key))
                 block.key = None
             block.ref_cnt = 1
             ids.append(block_id)
@@ -114,7 +119,9 @@ class BlockPool:
 class BlockManager:
     """Per-request block tables over a BlockPool, with prefix-cache lookups and registration."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tier: HostPrefixTier | None = None):
+        """`tier`: the host-RAM tier evicted cached blocks go to (--kv-offload-cpu-gib; None: lost)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -123,6 +130,10 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[int]] = {}
         self._hashed: dict[str, list[int]] = {}  # request → hashes of its registered full blocks
+        self.tier = tier if enable_prefix_caching else None
+        # this step's copy orders for the tier: (device, host) out and (host, device) in
+        self.tier_out: list[tuple[int, int]] = []
+        self.tier_in: list[tuple[int, int]] = []
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -151,6 +162,23 @@ class BlockManager:
         """Blocks holding the leading full blocks of `token_ids` that are cached (the prefix a KV
         transfer can send), up to the first that is not."""
         return self._cached_chain(token_ids, len(token_ids) // self.block_size, root)
+
+    def tier_continuation(self, token_ids: list[int], num_device_blocks: int, root: int = ROOT_HASH
+                          ) -> list[BlockKey]:
+        """Keys of the blocks after the first `num_device_blocks` (found in the device pool) that the
+        host tier holds, in chain order, leaving at least one token to compute."""
+        if self.tier is None:
+            return []
+        keys: list[BlockKey] = []
+        parent = root
+        for i in range((len(token_ids) - 1) // self.block_size):
+            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            if i >= num_device_blocks:
+                if not self.tier.holds(key):
+                    break
+                keys.append(key)
+            parent = hash_block_tokens(*key)
+        return keys
 
     def _cached_chain(self, token_ids: list[int], max_blocks: int, root: int) -> list[int]:
         found: list[int] = []
@@ -205,23 +233,46 @@ class BlockManager:
         self.pool.release(held)
 
     def allocate_slots(self, request_id: str, token_ids: list[int], num_computed: int, num_new: int,
-                       cached_blocks: list[int] | None = None, root: int = ROOT_HASH) -> bool:
+                       cached_blocks: list[int] | None = None, root: int = ROOT_HASH,
+                       tier_keys: list[BlockKey] | None = None) -> bool:
         """Grow the table so tokens [0, num_computed + num_new) have slots; False (no change) if full.
 
-        `cached_blocks` (from find_cached_prefix, only at first admission) become the table's head.
+        `cached_blocks` (from find_cached_prefix, only at first admission) become the table's head,
+        then fresh blocks that the host tier's `tier_keys` (tier_continuation) are loaded into.
         """
-        cached_blocks = cached_blocks or []
+        cached_blocks, tier_keys = cached_blocks or [], tier_keys or []
         table = self.tables.get(request_id, [])
         needed = self.blocks_needed(num_computed + num_new) - len(table) - len(cached_blocks)
         evictable_hits = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_cnt == 0)
         if needed + evictable_hits > self.pool.num_free:
             return False
         self.pool.touch(cached_blocks)
-        table = table + cached_blocks + self.pool.allocate(max(needed, 0))
+        hosts = [self.tier.take(key) for key in tier_keys] if self.tier is not None else []
+        evicted: list[tuple[int, BlockKey]] = []
+        fresh = self.pool.allocate(max(needed, 0), evicted if self.tier is not None else None)
+        self._offload(evicted)
+        self.tier_in.extend(zip(hosts, fresh))
+        table = table + cached_blocks + fresh
         self.tables[request_id] = table
         if self.enable_prefix_caching:
             self._register_full_blocks(request_id, token_ids, min(num_computed + num_new, len(token_ids)), root)
         return True
+
+    def _offload(self, evicted: list[tuple[int, BlockKey]]) -> None:
+        """Order the copy of each evicted cached block to the host tier (before this step's forward)."""
+        for block_id, key in evicted:
+            order = self.tier.offload(block_id, key) if self.tier is not None else None
+            if order is not None:
+                self.tier_out.append(order)
+
+    def take_tier_orders(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's tier copies (out, in), handed to the runner once; the tier's host blocks taken
+        back become reusable from the next step."""
+        out, into = self.tier_out, self.tier_in
+        self.tier_out, self.tier_in = [], []
+        if self.tier is not None:
+            self.tier.end_step()
+        return out, into
 
     def _register_full_blocks(self, request_id: str, token_ids: list[int], num_tokens: int, root: int) -> None:
         """Register blocks that are full after this step (their K/V is written before any reuse)."""

@@ -13,6 +13,7 @@ from ferrylm.engine.block_manager import BlockManager, block_hashes, root_hash
 from ferrylm.engine.host_pool import HostBlockPool
 from ferrylm.engine.output_processor import OutputProcessor
 from ferrylm.engine.preemption import PreemptionPolicy
+from ferrylm.engine.prefix_tier import HostPrefixTier
 from ferrylm.engine.request import Request
 from ferrylm.engine.scheduler import RequestRejected, Scheduler
 from ferrylm.executor import Executor, build_executor, build_grammar_compiler
@@ -40,11 +41,26 @@ def _adapter_names(requests: list[Request]) -> list[str]:
     return sorted({r.lora_name for r in requests if r.lora_name is not None})
 
 
+def _host_tier(config: EngineConfig, executor: Executor) -> HostPrefixTier | None:
+    """The prefix cache's host tier: --kv-offload-cpu-gib of the executor's host blocks, after swap's."""
+    per_block = executor.swap_bytes_per_block
+    if not per_block or not config.cache.kv_offload_cpu_gib or not config.cache.enable_prefix_caching:
+        return None
+    first = _num_swap_blocks(config, executor)
+    size = min(int(config.cache.kv_offload_cpu_gib * (1 << 30)) // per_block, executor.num_host_blocks - first)
+    return HostPrefixTier(first, size) if size > 0 else None
+
+
+def _num_swap_blocks(config: EngineConfig, executor: Executor) -> int:
+    per_block = executor.swap_bytes_per_block
+    return min(int(config.cache.swap_space * (1 << 30)) // per_block, executor.num_host_blocks) if per_block else 0
+
+
 def _swap_setup(config: EngineConfig, executor: Executor) -> tuple[HostBlockPool, PreemptionPolicy]:
     """Swap preemption's host pool, sized like the device pool: --swap-space over the executor's
     bytes per block, at most the host blocks it allocated (a sibling engine may ask for fewer)."""
     per_block = executor.swap_bytes_per_block
-    num_host = min(int(config.cache.swap_space * (1 << 30)) // per_block, executor.num_host_blocks) if per_block else 0
+    num_host = _num_swap_blocks(config, executor)
     if config.scheduler.preemption_mode == "swap" and num_host == 0:
         raise ConfigError(f"--preemption-mode swap: --swap-space {config.cache.swap_space} GiB holds no KV block "
                           f"({per_block} bytes each)")
@@ -63,7 +79,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         num_blocks = min(config.cache.num_blocks or executor.num_blocks, executor.num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          _host_tier(config, executor))
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len,
                                    *_swap_setup(config, executor),
                                    max_loras=config.lora.max_loras if config.lora.enable_lora else None)
@@ -268,4 +285,13 @@ class Engine:
             num_swapped=s.num_swapped, num_swapped_out=s.num_swapped_out, num_swapped_in=s.num_swapped_in,
             num_swap_fallbacks=s.num_swap_fallbacks, lora_adapters=sorted(a.name for a in self.adapters.list()),
             running_lora_adapters=_adapter_names(running), waiting_lora_adapters=_adapter_names(waiting),
-            max_lora=self.config.lora.max_loras if self.config.lora.enable_lora else 0)
+            max_lora=self.config.lora.max_loras if self.config.lora.enable_lora else 0,
+            **self._tier_stats())
+
+    def _tier_stats(self) -> dict[str, Any]:
+        tier = self.block_manager.tier
+        if tier is None:
+            return {}
+        return {"kv_offload_hit_tokens": self.scheduler.tier_hit_tokens, "kv_offload_blocks_out": tier.blocks_out,
+                "kv_offload_blocks_in": tier.blocks_in, "kv_offload_blocks_used": tier.num_used,
+                "kv_offload_blocks_total": tier.num_blocks}

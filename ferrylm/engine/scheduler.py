@@ -93,7 +93,8 @@ class Scheduler:
         self._preempted_ids: list[str] = []  # since the last schedule(): the runner drops what it drafted over them
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.prefix_cache_hits = 0  # prompt tokens not recomputed: device pool and host tier hits
+        self.tier_hit_tokens = 0  # the share of prefix_cache_hits loaded back from the host tier
         self.spec = SpecCounters()
         self.step_cost = StepCostModel()
         # this step's prompt tokens left per cache root (tenant), under --decode-isolation-headroom
@@ -138,7 +139,8 @@ class Scheduler:
             budget = self._schedule_waiting(scheduled, new_requests, budget)
         finished, self._finished_ids = self._finished_ids, []
         lost, self._preempted_ids = tuple(self._preempted_ids), []
-        out, into = tuple(self._swap_out), tuple(self._swap_in)
+        tier_out, tier_in = self.block_manager.take_tier_orders()
+        out, into = tuple(self._swap_out + tier_out), tuple(self._swap_in + tier_in)
         self._swap_out, self._swap_in = [], []
         return SchedulerOutput(scheduled, new_requests, finished, self.config.max_num_batched_tokens - budget, lost,
                                out, into)
@@ -228,10 +230,13 @@ class Scheduler:
                 continue
             # prompt logprobs come from the prefill's logits, mean / cls pooling from its hidden states:
             # such a request computes every position
-            cached = [] if req.sampling_params.prompt_logprobs is not None or \
-                req.sampling_params.pooling in ("mean", "cls") else \
-                self.block_manager.find_cached_prefix(req.token_ids, req.cache_root)
-            num_cached = len(cached) * self.block_manager.block_size
+            every_position = req.sampling_params.prompt_logprobs is not None or \
+                req.sampling_params.pooling in ("mean", "cls")
+            cached = [] if every_position else self.block_manager.find_cached_prefix(req.token_ids, req.cache_root)
+            # the host tier may hold the blocks after the device pool's (loaded back before the forward)
+            tier = [] if every_position else \
+                self.block_manager.tier_continuation(req.token_ids, len(cached), req.cache_root)
+            num_cached = (len(cached) + len(tier)) * self.block_manager.block_size
             n = req.num_tokens - num_cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
@@ -241,8 +246,10 @@ class Scheduler:
                 i += 1
                 continue
             if not self.block_manager.allocate_slots(req.request_id, req.token_ids, num_cached, n, cached,
-                                                     req.cache_root):
+                                                     req.cache_root, tier):
                 break
+            if req.num_preemptions == 0:
+                self.tier_hit_tokens += len(tier) * self.block_manager.block_size
             self.waiting.pop(i)
             self._admit(req, num_cached)
             if req.request_id not in self._known_to_runner:

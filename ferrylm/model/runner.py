@@ -122,7 +122,9 @@ class ModelRunner:
         # --swap-space: host blocks for swap preemption, each holding a block's target and draft K/V
         self.swap_bytes_per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype,
                                                        self.cache_dtype) + draft_bytes
-        self.num_host_blocks = int(cache_config.swap_space * (1 << 30)) // self.swap_bytes_per_block
+        # host blocks for swap preemption, then the prefix cache's host tier (--kv-offload-cpu-gib)
+        self.num_host_blocks = int((cache_config.swap_space + cache_config.kv_offload_cpu_gib) * (1 << 30)) \
+            // self.swap_bytes_per_block
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and self.attn_backend.supports_cuda_graphs and not enforce_eager:

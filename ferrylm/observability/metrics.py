@@ -44,7 +44,9 @@ class EngineStatsCollector(Collector):
                   ("num_requests_swapped", "Requests whose KV blocks are swapped out to host memory.",
                    s and s.num_swapped),
                   ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                   s and s.kv_cache_usage)]
+                   s and s.kv_cache_usage),
+                  ("kv_offload_usage_perc", "Fraction of the host KV tier's blocks holding a prefix.",
+                   s and s.kv_offload_blocks_total and s.kv_offload_blocks_used / s.kv_offload_blocks_total)]
         counters = [("prompt_tokens", "Prompt tokens admitted.", s and s.prompt_tokens_total),
                     ("generation_tokens", "Tokens generated.", s and s.generation_tokens_total),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -61,7 +63,12 @@ class EngineStatsCollector(Collector):
                     ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
                      s and s.spec_decode_num_draft_tokens),
                     ("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
-                     s and s.spec_decode_num_accepted_tokens)]
+                     s and s.spec_decode_num_accepted_tokens),
+                    ("kv_offload_hit_tokens", "Prompt tokens loaded back from the host KV tier instead of "
+                     "recomputed (part of prefix_cache_hits).", s and s.kv_offload_hit_tokens),
+                    ("kv_offload_blocks_out", "KV blocks copied to the host tier on eviction.",
+                     s and s.kv_offload_blocks_out),
+                    ("kv_offload_blocks_in", "KV blocks loaded back from the host tier.", s and s.kv_offload_blocks_in)]
         families: list[Metric] = []
         for name, doc, value in gauges:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -41,7 +41,7 @@ CHANGED = {
     "max_num_seqs": ("7", 7), "max_num_batched_tokens": ("99", 99), "max_model_len": ("300", 300),
     "long_prefill_token_threshold": ("64", 64), "preemption_mode": ("swap", "swap"),
     "decode_isolation_headroom": ("0.25", 0.25), "enable_lora": (None, True), "max_loras": ("2", 2),
-    "max_lora_rank": ("64", 64), "max_cpu_loras": ("9", 9),
+    "max_lora_rank": ("64", 64), "max_cpu_loras": ("9", 9), "kv_offload_cpu_gib": ("0.5", 0.5),
 }
 
 
