@@ -189,8 +189,8 @@ def _cache_salt(state: GatewayState, principal, body: dict) -> str | None:
     return effective_cache_salt(principal, requested, state.gateway.config.shared_prefix_cache)
 
 
-async def _route_context(state: GatewayState, group: ModelGroup,
-                         req: ChatCompletionRequest | CompletionRequest, cache_salt: str | None = None) -> RouteContext:
+async def _route_context(state: GatewayState, group: ModelGroup, req: ChatCompletionRequest | CompletionRequest,
+                         cache_salt: str | None = None, session_id: str | None = None) -> RouteContext:
     """Token counts (for limits, admission and outstanding tokens) and prefix hashes (for affinity)."""
     block_size = group.upstream_block_size()
     try:
@@ -208,7 +208,16 @@ async def _route_context(state: GatewayState, group: ModelGroup,
                         block_size or prompt_info.DEFAULT_BLOCK_SIZE, echo_chunks, n * len(info.prompt_lens),
                         Usage.of(info.prompt_lens, 0).prompt_tokens,
                         info.token_ids if group.config.prefill_upstreams else (), cache_salt,
-                        req.model if state.registry.is_adapter(req.model) else None)
+                        req.model if state.registry.is_adapter(req.model) else None,
+                        _session(session_id or getattr(req, "user", None), cache_salt))
+
+
+def _session(session_id: str | None, cache_salt: str | None) -> str | None:
+    """The routing key of an agent session: X-Session-Id, else the body's `user`, under the tenant's
+    cache salt (one tenant's session ids never steer another's requests)."""
+    if not isinstance(session_id, str) or not session_id:
+        return None
+    return f"{cache_salt or ''}\0{session_id[:256]}"
 
 
 RequestModel = (type[ChatCompletionRequest] | type[CompletionRequest] | type[ResponsesRequest] | type[MessagesRequest]
@@ -276,7 +285,7 @@ async def _admit(request: Request, state: GatewayState, model_cls: RequestModel,
     group = _group(state, req.model)
     request.state.request_id = request_id = request.state.request_id or new_request_id(prefix)
     salt = _cache_salt(state, principal, body)
-    ctx = await _route_context(state, group, req, salt)
+    ctx = await _route_context(state, group, req, salt, request.headers.get("x-session-id"))
     admission = None
     if state.gateway is not None:
         client = request.client.host if request.client else None

@@ -28,11 +28,12 @@ class RouteContext(NamedTuple):
     prompt_token_ids: tuple[int, ...] = ()  # the one prompt's exact ids (disaggregated prefill), when known
     cache_salt: str | None = None  # the salt the replica hashes the prompt with (gateway/cache_salt.py)
     adapter: str | None = None  # the LoRA adapter asked for: only replicas that hold it are candidates
+    session: str | None = None  # an agent session (X-Session-Id, else the body's user), scoped to the tenant
 
 
 class Choice(NamedTuple):
     replica: Replica
-    reason: str  # round_robin | least_outstanding | prefix_match | prefix_hash | spill | latency
+    reason: str  # round_robin | least_outstanding | prefix_match | prefix_hash | session | spill | latency
 
 
 class Policy(Protocol):
@@ -98,7 +99,7 @@ class HashRing:
         self._ring = sorted((_point(f"{url}#{i}"), url) for url in urls for i in range(vnodes))
         self._points = [p for p, _ in self._ring]
 
-    def walk(self, key: int) -> list[str]:
+    def walk(self, key: int | str) -> list[str]:
         """Replica URLs in ring order from `key`'s position (each once)."""
         start = bisect.bisect(self._points, _point(key))
         seen: dict[str, None] = {}
@@ -117,7 +118,12 @@ class PrefixAffinity:
     only the chat template's first blocks spread by load; a preferred replica more loaded than its
     saving is worth is spilled from. A prefix the router has never seen goes to its replica on a
     consistent-hash ring (credited with the first `hash_blocks` blocks), so identical system
-    prompts land together from the start and several gateways agree without talking."""
+    prompts land together from the start and several gateways agree without talking.
+
+    A request of a known session (RouteContext.session) is credited with its whole prompt on the
+    replica that served the session last: its context is there, in the device pool or the host tier
+    (--kv-offload-cpu-gib), even when the prompt's block hashes are long forgotten here; a new
+    session's home is its key's place on the ring."""
 
     name = "prefix-affinity"
 
@@ -127,6 +133,7 @@ class PrefixAffinity:
         self.map_size = map_size
         self.hash_blocks = hash_blocks
         self._owner: OrderedDict[int, str] = OrderedDict()
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session → the replica it was sent to last
         self._lock = threading.Lock()
 
     def _remembered_depths(self, ctx: RouteContext, urls: set[str]) -> dict[str, int]:
@@ -139,7 +146,9 @@ class PrefixAffinity:
                     depths[url] = depth
         return depths
 
-    def _ring_key(self, ctx: RouteContext) -> int | None:
+    def _ring_key(self, ctx: RouteContext) -> int | str | None:
+        if ctx.session is not None:
+            return ctx.session
         if ctx.block_hashes:
             return ctx.block_hashes[min(len(ctx.block_hashes), self.hash_blocks) - 1]
         return ctx.affinity_key
@@ -150,6 +159,11 @@ class PrefixAffinity:
         key = self._ring_key(ctx)
         walk = self.ring.walk(key or 0)  # ring order: the tie-break, and the home of unseen prefixes
         reason = "prefix_match"
+        with self._lock:
+            home = self._sessions.get(ctx.session) if ctx.session is not None else None
+        if home in by_url:
+            saved[home] = max(saved.get(home, 0), ctx.prompt_tokens)
+            reason = "session"
         if not saved:
             if key is None:
                 return Choice(least_outstanding(candidates), "least_outstanding")
@@ -160,8 +174,8 @@ class PrefixAffinity:
         best = min(candidates, key=lambda r: (r.outstanding_tokens - self.credit * saved.get(r.url, 0),
                                               r.in_flight, order.get(r.url, 0)))
         if best.url in saved:
-            return Choice(best, reason)
-        return Choice(best, "spill" if reason == "prefix_match" else "least_outstanding")
+            return Choice(best, reason if reason != "session" or best.url == home else "prefix_match")
+        return Choice(best, "spill" if reason in ("prefix_match", "session") else "least_outstanding")
 
     def record(self, ctx: RouteContext, replica: Replica) -> None:
         """The replica now holds these blocks (or will once it prefills them)."""
@@ -171,6 +185,11 @@ class PrefixAffinity:
                 self._owner.move_to_end(h)
             while len(self._owner) > self.map_size:
                 self._owner.popitem(last=False)
+            if ctx.session is not None:
+                self._sessions[ctx.session] = replica.url
+                self._sessions.move_to_end(ctx.session)
+                while len(self._sessions) > self.map_size:
+                    self._sessions.popitem(last=False)
 
 
 def make_policy(name: str, urls: Sequence[str], config) -> Policy:

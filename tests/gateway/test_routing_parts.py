@@ -342,3 +342,39 @@ def test_poller_tolerates_slow_probes_but_not_refusals_or_draining():
     rep.breaker.opened_at = -100.0
     asyncio.run(run([(200, "ok")]))
     assert not rep.ejected and rep.available(0.0)
+
+
+def test_prefix_affinity_keeps_a_session_on_its_replica():
+    """An agent session's turns share no remembered block (the router forgot them, or the prompt was
+    rewritten) yet go where its context is, until that replica is more loaded than the whole prompt
+    is worth; sessions spread over the ring; another tenant's same session id is another session."""
+    reps = [replica(f"http://r{i}") for i in range(3)]
+    policy = PrefixAffinity([r.url for r in reps], credit=1.0, map_size=1000)
+    rng = random.Random(1)
+    homes: dict[str, set[str]] = {}
+    for turn in range(5):
+        for s in range(12):
+            tokens = [rng.randrange(1000) for _ in range(200)]  # nothing shared between turns
+            ctx = _ctx(tokens)._replace(session=f"salt\0session-{s}")
+            choice = policy.choose(reps, ctx)
+            policy.record(ctx, choice.replica)
+            homes.setdefault(f"session-{s}", set()).add(choice.replica.url)
+            if turn:
+                assert choice.reason == "session"
+    assert all(len(v) == 1 for v in homes.values()), homes
+    assert len({next(iter(v)) for v in homes.values()}) > 1  # sessions spread over the replicas
+    home = next(r for r in reps if r.url == next(iter(homes["session-0"])))
+    ctx = _ctx(list(range(200)))._replace(session="salt\0session-0")
+    assert policy.choose(reps, ctx).replica is home
+    home.begin(5000, 0)  # more outstanding work than the 200-token prompt saves
+    assert policy.choose(reps, ctx).reason == "spill"
+    other_tenant = ctx._replace(session="other-salt\0session-0")
+    assert policy.choose(reps, other_tenant).reason != "session"
+
+
+def test_session_key_is_the_header_or_user_under_the_tenant_salt():
+    from ferrylm.router.app import _session
+
+    assert _session("abc", "tenant-a") == "tenant-a\0abc" != _session("abc", "tenant-b")
+    assert _session(None, "tenant-a") is None and _session("", None) is None and _session(7, None) is None
+    assert len(_session("x" * 10_000, None)) == 257  # bounded
