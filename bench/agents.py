@@ -90,8 +90,8 @@ def main() -> int:
         print(f"| {name} | {p(first, 50) * 1000:.0f} ms | {p(later, 50) * 1000:.0f} ms | "
               f"{p(later, 90) * 1000:.0f} ms | {share:.3f} |")
     ratio = p(results["device pool only"][1], 50) / p(results["host tier"][1], 50)
-    print(f"turns >= 2: TTFT p50 {ratio:.2f}x lower with the host tier; tier: {tier.kv_offload_hit_tokens} prompt tokens "
-          f"loaded back of {tier.prefix_cache_hits} cached ({tier.prefix_cache_queries} looked up), "
+    print(f"turns >= 2: TTFT p50 {ratio:.2f}x lower with the host tier; tier: {tier.kv_offload_hit_tokens} "
+          f"prompt tokens loaded back of {tier.prefix_cache_hits} cached ({tier.prefix_cache_queries} looked up), "
           f"{tier.kv_offload_blocks_out} blocks out, {tier.kv_offload_blocks_in} in")
     return 0
 

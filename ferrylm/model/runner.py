@@ -94,8 +94,6 @@ class ModelRunner:
         # collectives are not captured into graphs; an MoE step's expert groups are data-dependent
         enforce_eager = enforce_eager or self.tp is not None or checkpoint.config.num_experts > 0
         serves_lora = lora is not None and lora.enable_lora
-        if serves_lora and self.tp is not None:
-            raise ConfigError("--enable-lora with --tensor-parallel-size > 1 is not supported in this version")
         enforce_eager = enforce_eager or serves_lora  # the compiled step and graphs hold no adapter deltas
         self.device, self.dtype = device, dtype
         self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
@@ -112,7 +110,8 @@ class ModelRunner:
         self.model: LlamaForCausalLM = load_model(load_from, dtype, device, self.attn_backend, max_model_len,
                                                    cpu_fused_ops(device), quantization, self.tp, int8_activations)
         self.max_model_len, self.attention_kind = max_model_len, attention
-        self.lora = LoRAManager(self.model, lora, self.config, dtype, device) if lora and serves_lora else None
+        self.lora = LoRAManager(self.model, lora, self.config, dtype, device, self.local_config,
+                                None if self.tp is None else self.tp.shard) if lora and serves_lora else None
         draft_bytes = draft_setup.kv_bytes_per_block(speculative, self.config, self.block_size, dtype)
         self.num_blocks = cache_config.num_blocks or self._blocks_from_budget(cache_config, max_num_batched_tokens,
                                                                               draft_bytes)

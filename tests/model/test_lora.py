@@ -185,3 +185,17 @@ def test_speculation_and_preemption_keep_adapter_tokens(tiny, extra):
         assert stats.num_preemptions > 0
     else:
         assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_tensor_parallel_shards_the_adapters(tiny):
+    """--tensor-parallel-size 2: each rank holds its slice of B (q/k/v, gate/up) or of A (o, down);
+    the mixed batch's tokens are still peft's merged model's, and an adapter loaded while the ranks
+    run reaches them all."""
+    base, adapters, plan, refs = tiny
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, tensor_parallel_size=2)
+    try:
+        assert _greedy(llm, [PROMPTS[p] for _, p in plan], _requests(adapters, plan)) == refs
+        llm.engine.adapters.remove("all16")
+        assert _greedy(llm, [PROMPTS[1]], [_requests(adapters, plan)[1]]) == [refs[1]]  # loaded again
+    finally:
+        llm.shutdown()

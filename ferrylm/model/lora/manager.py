@@ -15,17 +15,23 @@ from ferrylm.config import LoRAConfig, ModelConfig
 from ferrylm.executor import LoRAError
 from ferrylm.model.lora.adapter import MODULE_SLICES, LoRAAdapter, load_adapter
 from ferrylm.model.lora.slots import LoRASlots, StepGroups, StepHolder
+from ferrylm.model.parallel.tp import TPShard, shard_index
 from ferrylm.scheduler_output import SchedulerOutput
 
 _FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class LoRAManager:
+    """`model_config`: the whole model's (adapters are checked against it); under tensor parallelism
+    `local_config` is this rank's and `shard` its TPShard: each rank keeps the slice of B a
+    column-parallel layer (q/k/v, gate/up) holds rows of, and of A a row-parallel one (o, down)
+    holds columns of, so the all-reduce after o and down sums the ranks' partial deltas."""
+
     def __init__(self, model: nn.Module, config: LoRAConfig, model_config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device | str):
-        self.config, self.model_config, self.dtype = config, model_config, dtype
+                 device: torch.device | str, local_config: ModelConfig | None = None, shard: TPShard | None = None):
+        self.config, self.model_config, self.dtype, self.shard = config, model_config, dtype, shard
         self.step = StepHolder()
-        self.slots = _attach(model, self.step, config, model_config, dtype, device)  # (layer, fused) → slots
+        self.slots = _attach(model, self.step, config, local_config or model_config, dtype, device)
         self._paths: dict[str, str] = {}
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU, at most config.cpu_capacity
         self._resident: OrderedDict[str, int] = OrderedDict()  # name → slot, LRU
@@ -98,9 +104,12 @@ class LoRAManager:
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         per_linear: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for (layer, module), pair in adapter.weights.items():
+        for (layer, module), (a, b) in adapter.weights.items():
             fused, index = MODULE_SLICES[module]
-            per_linear.setdefault((layer, fused), {})[index] = pair
+            if self.shard is not None:
+                rows, cols = shard_index(f"{module}.weight", self.model_config, self.shard)
+                a, b = (a if cols is None else a[:, cols]), (b if rows is None else b[rows])
+            per_linear.setdefault((layer, fused), {})[index] = (a, b)
         for key, slots in self.slots.items():
             slots.write(slot, per_linear.get(key, {}))
 

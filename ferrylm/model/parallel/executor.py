@@ -43,9 +43,13 @@ class TensorParallelExecutor:
         self.runner.write_kv_blocks(block_ids, data)
 
     def add_lora(self, name: str, path: str) -> int:
-        return self.runner.add_lora(name, path)  # refused: the runner serves no adapters under TP yet
+        """Rank 0 reads and checks the adapter first; only then do the other ranks load their slices."""
+        rank = self.runner.add_lora(name, path)
+        self.group.broadcast_object(("add_lora", name, path))
+        return rank
 
     def remove_lora(self, name: str) -> None:
+        self.group.broadcast_object(("remove_lora", name))
         self.runner.remove_lora(name)
 
     def use_grammars(self, compiled: Callable[[str], Any] | None) -> None:

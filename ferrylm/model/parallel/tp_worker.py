@@ -92,6 +92,10 @@ def worker_loop(config: EngineConfig, place: Rendezvous) -> None:
             return
         if output is None:
             return
+        if isinstance(output[0], str):  # between steps: ("add_lora", name, path) / ("remove_lora", name)
+            command = {"add_lora": runner.add_lora, "remove_lora": runner.remove_lora}[output[0]]
+            command(*output[1:])
+            continue
         runner.execute(output)  # rank 0's step: the same collectives, nothing sampled here
 
 
