@@ -16,9 +16,13 @@ class AdapterBusy(RuntimeError):
 
 @dataclass(frozen=True)
 class LoRAInfo:
+    """A loaded adapter; `generation` numbers the loads, so a name loaded again (other weights) never
+    meets the K/V its previous weights left in the prefix cache."""
+
     name: str
     path: str
     rank: int
+    generation: int = 0
 
 
 class Adapters:
@@ -27,6 +31,7 @@ class Adapters:
     def __init__(self, config: LoRAConfig, executor: Executor, in_use: Callable[[str], int]):
         self.config, self._executor, self._in_use = config, executor, in_use
         self._loaded: dict[str, LoRAInfo] = {}
+        self._loads = 0
 
     def add(self, name: str, path: str) -> LoRAInfo:
         """Load (or replace, when idle) the adapter `name`; raises LoRAError naming what is wrong."""
@@ -36,7 +41,9 @@ class Adapters:
             raise LoRAError("a LoRA adapter needs a name of 1 to 256 characters")
         if name in self._loaded and self._in_use(name):
             raise AdapterBusy(f"LoRA adapter {name!r} has requests running; unload it when they finish")
-        info = LoRAInfo(name, path, self._executor.add_lora(name, path))
+        rank = self._executor.add_lora(name, path)
+        self._loads += 1
+        info = LoRAInfo(name, path, rank, self._loads)
         self._loaded[name] = info
         return info
 

@@ -130,11 +130,13 @@ class Engine:
         `lora_name`: a loaded adapter (adapters.add) the request runs through; None: the base model."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(prompt_ids, params)
-        if lora_name is not None and self.adapters.get(lora_name) is None:
+        adapter = self.adapters.get(lora_name) if lora_name is not None else None
+        if lora_name is not None and adapter is None:
             raise RequestRejected(f"the LoRA adapter {lora_name!r} is not loaded", "model")
         request = Request(request_id, prompt_ids, params, self.resolve_max_tokens(params, len(prompt_ids)),
                           arrival_time if arrival_time is not None else time.monotonic(), priority,
-                          self.tokenizer.eos_token_ids, grammar=self._grammar(params), lora_name=lora_name)
+                          self.tokenizer.eos_token_ids, grammar=self._grammar(params), lora_name=lora_name,
+                          lora_generation=adapter.generation if adapter is not None else 0)
         self.scheduler.add_request(request)
         if request.grammar_pending:
             self._compiling.append(request)

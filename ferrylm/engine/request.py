@@ -45,8 +45,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # the runner's draft for the next step
     num_new_tokens: int = 0  # tokens the last step appended (more than one when a draft was accepted)
     lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
+    lora_generation: int = 0  # which load of that name (a name loaded again with other weights is another cache)
     metrics: RequestMetrics = field(init=False)  # timestamps, from arrival_time on
-    cache_root: int = field(init=False)  # its prefix-cache chain's root: root_hash(cache_salt, lora_name)
+    cache_root: int = field(init=False)  # its prefix-cache chain's root: root_hash(cache_salt, the adapter's load)
     tenant_root: int = field(init=False)  # root_hash(cache_salt): tells tenants apart (decode isolation)
 
     def __post_init__(self) -> None:
@@ -54,7 +55,8 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.tenant_root = root_hash(self.sampling_params.cache_salt)
-        self.cache_root = root_hash(self.sampling_params.cache_salt, self.lora_name)
+        adapter = None if self.lora_name is None else f"{self.lora_name}#{self.lora_generation}"
+        self.cache_root = root_hash(self.sampling_params.cache_salt, adapter)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -199,3 +199,15 @@ def test_tensor_parallel_shards_the_adapters(tiny):
         assert _greedy(llm, [PROMPTS[1]], [_requests(adapters, plan)[1]]) == [refs[1]]  # loaded again
     finally:
         llm.shutdown()
+
+
+def test_a_name_loaded_again_with_other_weights_never_reads_the_old_cache(tiny):
+    """Same prompt, same adapter name, first attn8's weights then all16's: the second answer is
+    all16's, not one continued from K/V the old weights left in the prefix cache."""
+    base, adapters, plan, refs = tiny
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=16, block_size=4)
+    prompt = PROMPTS[1] * 4  # 16 tokens: full blocks to cache
+    old = _greedy(llm, [prompt], [LoRARequest("x", 1, str(adapters["attn8"]))])
+    new = _greedy(llm, [prompt], [LoRARequest("x", 1, str(adapters["all16"]))])
+    fresh = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=16, block_size=4)
+    assert new == _greedy(fresh, [prompt], [LoRARequest("y", 1, str(adapters["all16"]))]) != old
