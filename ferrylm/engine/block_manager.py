@@ -56,6 +56,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     key: BlockKey | None = None  # set while the block is registered in the prefix cache
+    owner: int = 0  # the cache root (tenant, adapter) of the request that registered it
 
     @property
     def block_hash(self) -> int | None:
@@ -74,9 +75,9 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
-    def allocate(self, n: int, evicted: list[tuple[int, BlockKey]] | None = None) -> list[int]:
+    def allocate(self, n: int, evicted: list[tuple[int, BlockKey, int]] | None = None) -> list[int]:
         """Take n blocks from the LRU end, evicting their cache entries; caller checked num_free.
-        `evicted` collects (block id, key) of each cached block evicted (its K/V is still there)."""
+        `evicted` collects (block id, key, owner) of each cached block evicted (its K/V is still there)."""
         ids = []
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
@@ -84,7 +85,7 @@ class BlockPool:
             if block.key is not None:
                 del self.cached[block.key]
                 if evicted is not None:
-                    evicted.append((block_id, block.key))
+                    evicted.append((block_id, block.key, block.owner))
                 block.key = None
             block.ref_cnt = 1
             ids.append(block_id)
@@ -106,11 +107,11 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
 
-    def register(self, block_id: int, key: BlockKey) -> None:
+    def register(self, block_id: int, key: BlockKey, owner: int = 0) -> None:
         """Make a full block findable by key (first writer wins; duplicates stay private)."""
         if key not in self.cached and self.blocks[block_id].key is None:
             self.cached[key] = block_id
-            self.blocks[block_id].key = key
+            self.blocks[block_id].key, self.blocks[block_id].owner = key, owner
 
     def lookup(self, key: BlockKey) -> int | None:
         return self.cached.get(key)
@@ -248,7 +249,7 @@ class BlockManager:
             return False
         self.pool.touch(cached_blocks)
         hosts = [self.tier.take(key) for key in tier_keys] if self.tier is not None else []
-        evicted: list[tuple[int, BlockKey]] = []
+        evicted: list[tuple[int, BlockKey, int]] = []
         fresh = self.pool.allocate(max(needed, 0), evicted if self.tier is not None else None)
         self._offload(evicted)
         self.tier_in.extend(zip(hosts, fresh))
@@ -258,10 +259,10 @@ class BlockManager:
             self._register_full_blocks(request_id, token_ids, min(num_computed + num_new, len(token_ids)), root)
         return True
 
-    def _offload(self, evicted: list[tuple[int, BlockKey]]) -> None:
+    def _offload(self, evicted: list[tuple[int, BlockKey, int]]) -> None:
         """Order the copy of each evicted cached block to the host tier (before this step's forward)."""
-        for block_id, key in evicted:
-            order = self.tier.offload(block_id, key) if self.tier is not None else None
+        for block_id, key, owner in evicted:
+            order = self.tier.offload(block_id, key, owner) if self.tier is not None else None
             if order is not None:
                 self.tier_out.append(order)
 
@@ -281,7 +282,7 @@ class BlockManager:
         for i in range(len(hashes), num_tokens // self.block_size):
             parent = hashes[-1] if hashes else root
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            self.pool.register(table[i], key)
+            self.pool.register(table[i], key, root)
             hashes.append(hash_block_tokens(*key))
 
     def trim(self, request_id: str, num_tokens: int) -> None:

@@ -79,3 +79,17 @@ def test_outputs_identical_with_the_tier_and_hits_counted(tiny):
     assert with_tier.kv_offload_blocks_used <= with_tier.kv_offload_blocks_total
     tiered.engine.scheduler.check_invariants()
     tiered.engine.block_manager.tier.check_invariants()
+
+
+def test_a_flooding_tenant_recycles_its_own_share():
+    """Full, the tier takes from the owner holding most: a tenant pushing 50 blocks through a 4-block
+    tier does not flush the other tenant's 2."""
+    tier = HostPrefixTier(first_id=0, num_blocks=4)
+    victim = [(1, (v,)) for v in range(2)]
+    for i, key in enumerate(victim):
+        assert tier.offload(i, key, owner=7) is not None
+    for i in range(50):
+        assert tier.offload(100 + i, (2, (i,)), owner=9) is not None
+    assert all(tier.holds(key) for key in victim) and tier.num_used == 4
+    assert tier.holds((2, (49,))) and not tier.holds((2, (0,)))  # the flood keeps its newest
+    tier.check_invariants()
