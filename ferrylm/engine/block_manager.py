@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ferrylm.engine.prefix_tier import HostPrefixTier
@@ -164,34 +165,38 @@ class BlockManager:
         transfer can send), up to the first that is not."""
         return self._cached_chain(token_ids, len(token_ids) // self.block_size, root)
 
-    def tier_continuation(self, token_ids: list[int], num_device_blocks: int, root: int = ROOT_HASH
+    def tier_continuation(self, token_ids: list[int], device_blocks: list[int], root: int = ROOT_HASH
                           ) -> list[BlockKey]:
-        """Keys of the blocks after the first `num_device_blocks` (found in the device pool) that the
-        host tier holds, in chain order, leaving at least one token to compute."""
+        """Keys of the blocks after `device_blocks` (find_cached_prefix's) that the host tier holds,
+        in chain order, leaving at least one token to compute. The chain resumes from the last device
+        block's hash: the device part is not hashed again."""
         if self.tier is None:
             return []
+        last = self.pool.blocks[device_blocks[-1]].block_hash if device_blocks else None  # hits are registered
+        parent = root if last is None else last
         keys: list[BlockKey] = []
-        parent = root
-        for i in range((len(token_ids) - 1) // self.block_size):
-            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            if i >= num_device_blocks:
-                if not self.tier.holds(key):
-                    break
-                keys.append(key)
-            parent = hash_block_tokens(*key)
+        for key in self._chain(token_ids, len(device_blocks), (len(token_ids) - 1) // self.block_size, parent):
+            if not self.tier.holds(key):
+                break
+            keys.append(key)
         return keys
 
     def _cached_chain(self, token_ids: list[int], max_blocks: int, root: int) -> list[int]:
         found: list[int] = []
-        parent = root
-        for i in range(max_blocks):
-            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+        for key in self._chain(token_ids, 0, max_blocks, root):
             block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             found.append(block_id)
-            parent = hash_block_tokens(*key)
         return found
+
+    def _chain(self, token_ids: list[int], start: int, stop: int, parent: int) -> Iterator[BlockKey]:
+        """The keys of blocks start..stop-1 of `token_ids`, `parent` being block start-1's hash (each
+        next parent is hashed only when the caller asks for the next key)."""
+        for i in range(start, stop):
+            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            yield key
+            parent = hash_block_tokens(*key)
 
     # -- mutations -----------------------------------------------------------------------
     def stage_import(self, token_ids: list[int], num_blocks: int,

@@ -211,9 +211,10 @@ class Scheduler:
         ones are swapped in at their place in that order). Runs only in a step that preempted
         nothing, so no step both swaps out and swaps in (each direction frees what the other takes)."""
         i = 0  # requests whose grammar still compiles are passed over, not waited for
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}  # grows as requests are admitted
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
-            if not self._adapter_fits(req):  # its adapter waits for a slot; the next in line may go
+            if not self._adapter_fits(req, adapters):  # its adapter waits for a slot; the next in line may go
                 i += 1
                 continue
             if req.status == RequestStatus.SWAPPED:
@@ -222,6 +223,8 @@ class Scheduler:
                     break
                 self.waiting.pop(i)
                 self._admit(req, req.num_computed_tokens)
+                if req.lora_name is not None:
+                    adapters.add(req.lora_name)
                 scheduled.append(self._scheduled(req, n))
                 budget -= n
                 continue
@@ -235,7 +238,7 @@ class Scheduler:
             cached = [] if every_position else self.block_manager.find_cached_prefix(req.token_ids, req.cache_root)
             # the host tier may hold the blocks after the device pool's (loaded back before the forward)
             tier = [] if every_position else \
-                self.block_manager.tier_continuation(req.token_ids, len(cached), req.cache_root)
+                self.block_manager.tier_continuation(req.token_ids, cached, req.cache_root)
             num_cached = (len(cached) + len(tier)) * self.block_manager.block_size
             n = req.num_tokens - num_cached
             if n > budget:
@@ -252,6 +255,8 @@ class Scheduler:
                 self.tier_hit_tokens += len(tier) * self.block_manager.block_size
             self.waiting.pop(i)
             self._admit(req, num_cached)
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
                 new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
@@ -260,11 +265,11 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _adapter_fits(self, req: Request) -> bool:
-        """At most max_loras distinct LoRA adapters among the running requests (the runner's slots)."""
+    def _adapter_fits(self, req: Request, active: set[str]) -> bool:
+        """At most max_loras distinct LoRA adapters among the running requests (the runner's slots);
+        `active`: theirs (the caller adds each request's it admits)."""
         if req.lora_name is None or self.max_loras is None:
             return True
-        active = {r.lora_name for r in self.running if r.lora_name is not None}
         return req.lora_name in active or len(active) < self.max_loras
 
     def _swap_in_request(self, req: Request, budget: int) -> int | None:

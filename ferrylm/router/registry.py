@@ -77,8 +77,9 @@ class ReplicaRegistry:
         return next((g for g in self.groups.values() if model in g.adapters()), None)
 
     def is_adapter(self, model: str | None) -> bool:
-        """Whether `model` names a LoRA adapter a replica holds (not a group or an alias)."""
-        return model is not None and model not in self._names and self.resolve(model) is not None
+        """Whether `model`, a name `resolve` found, names a LoRA adapter rather than a group or an
+        alias (no second walk over the replicas' adapters)."""
+        return model is not None and model not in self._names
 
     def model_names(self) -> list[tuple[str, str]]:
         """(name clients may use, group it routes to), groups first then aliases."""

@@ -36,7 +36,7 @@ def test_block_manager_offloads_evicted_blocks_and_loads_them_back():
     evicted, into = bm.take_tier_orders()
     assert len(evicted) == 3 and into == []
     bm.free("b")
-    keys = bm.tier_continuation(first, 0)
+    keys = bm.tier_continuation(first, [])
     assert len(keys) == 3 and bm.find_cached_prefix(first) == []
     assert bm.allocate_slots("c", first, 6, 1, [], tier_keys=keys)
     _, into = bm.take_tier_orders()
