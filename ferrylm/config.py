@@ -96,12 +96,22 @@ class CacheConfig:
     kv_offload_cpu_gib: float = option(
         0.0, "GiB of host memory under the prefix cache: cached blocks evicted from the KV pool are kept there "
              "and loaded back when a prompt needs them again (agent turns after a tool call; 0: off)")
+    kv_offload_disk_path: str | None = option(
+        None, "a directory for the prefix cache's disk tier under --kv-offload-cpu-gib: blocks leaving the KV "
+              "pool are also written there and read back through host memory, across restarts of the same "
+              "model (files are checked on read; one server per directory)")
+    kv_offload_disk_gib: float = option(16.0, "GiB of files the disk tier keeps (the least recently used go first)")
 
     def __post_init__(self) -> None:
         if not self.swap_space >= 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB, not {self.swap_space!r}")
         if not self.kv_offload_cpu_gib >= 0:
             raise ConfigError(f"--kv-offload-cpu-gib must be >= 0 GiB, not {self.kv_offload_cpu_gib!r}")
+        if not self.kv_offload_disk_gib > 0:
+            raise ConfigError(f"--kv-offload-disk-gib must be > 0 GiB, not {self.kv_offload_disk_gib!r}")
+        if self.kv_offload_disk_path is not None and not (self.kv_offload_cpu_gib > 0 and self.enable_prefix_caching):
+            raise ConfigError("--kv-offload-disk-path reads blocks back through the host tier: it needs "
+                              "--kv-offload-cpu-gib > 0 and prefix caching on")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -47,6 +47,9 @@ class ModelOutput(NamedTuple):
     draft_token_ids: dict[str, list[int]] = {}  # proposals for the next step (never mutated)
     accepted_logprobs: dict[str, list[TokenLogprobs]] = {}  # of the `accepted` tokens, when asked (never mutated)
     pooled: dict[str, list[float]] = {}  # --runner pooling: a request's vector, at its prompt's end (never mutated)
+    # block hashes whose disk-tier file is missing, corrupt or another model's (this step's reads), or
+    # whose write failed since the last step (a full disk): the engine forgets them
+    kv_disk_lost: tuple[int, ...] = ()
 
 
 class Executor(Protocol):
@@ -74,6 +77,14 @@ class Executor(Protocol):
         ...
 
     def write_kv_blocks(self, block_ids: list[int], data: Any) -> None:
+        ...
+
+    def kv_disk_entries(self) -> list[tuple[int, int]]:
+        """(block hash, owner) of the disk tier's files found at start, oldest first (model/kv_disk.py)."""
+        ...
+
+    def kv_disk_stats(self) -> dict[str, float]:
+        """The disk tier's bytes_written, bytes_read and read_seconds so far (zeros without one)."""
         ...
 
     def use_grammars(self, compiled: Callable[[str], Any] | None) -> None:

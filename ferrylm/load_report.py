@@ -63,6 +63,18 @@ class LoadReport:
     kv_offload_blocks_in: int = 0
     kv_offload_blocks_used: int = 0
     kv_offload_blocks_total: int = 0
+    # the disk tier under it (--kv-offload-disk-path): prompt tokens whose blocks were read up from disk,
+    # block files written / read back / found missing-corrupt-foreign (cumulative), bytes moved and
+    # seconds spent reading (cumulative; the load-back latency is seconds / blocks read), occupancy now
+    kv_offload_disk_hit_tokens: int = 0
+    kv_offload_disk_blocks_written: int = 0
+    kv_offload_disk_blocks_read: int = 0
+    kv_offload_disk_blocks_lost: int = 0
+    kv_offload_disk_bytes_written: int = 0
+    kv_offload_disk_bytes_read: int = 0
+    kv_offload_disk_read_seconds: float = 0.0
+    kv_offload_disk_blocks_used: int = 0
+    kv_offload_disk_blocks_total: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -32,6 +32,20 @@ class ScheduledRequest(NamedTuple):
     draft_token_ids: tuple[int, ...] = ()
 
 
+class DiskOrders(NamedTuple):
+    """The disk tier's file work this step (engine/disk_tier.py, model/kv_disk.py), in the runner's
+    order: deletes, then writes gathered from the device before any copy (queued to a writer thread
+    behind earlier steps' writes), then reads into host blocks after the copies out and before the
+    copies in."""
+
+    writes: tuple[tuple[int, int, int], ...] = ()  # (device block id, block hash, owner)
+    reads: tuple[tuple[int, int, int], ...] = ()  # (block hash, owner, host block id)
+    deletes: tuple[tuple[int, int], ...] = ()  # (block hash, owner)
+
+    def __bool__(self) -> bool:
+        return bool(self.writes or self.reads or self.deletes)
+
+
 class SchedulerOutput(NamedTuple):
     scheduled: list[ScheduledRequest]
     new_requests: list[NewRequestData]
@@ -41,3 +55,4 @@ class SchedulerOutput(NamedTuple):
     # Swap preemption (engine/host_pool.py), copied by the runner before this step's forward:
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device block id, host block id)
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block id, device block id)
+    disk: DiskOrders = DiskOrders()  # the prefix cache's disk tier (--kv-offload-disk-path)

@@ -3,6 +3,7 @@ executor (which reads and holds their matrices), listed for /v1/models, checked 
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,8 +17,9 @@ class AdapterBusy(RuntimeError):
 
 @dataclass(frozen=True)
 class LoRAInfo:
-    """A loaded adapter; `generation` numbers the loads, so a name loaded again (other weights) never
-    meets the K/V its previous weights left in the prefix cache."""
+    """A loaded adapter; `generation` numbers the loads from a random start per engine, so a name
+    loaded again (other weights), here or after a restart, never meets the K/V its previous weights
+    left in the prefix cache or its disk tier."""
 
     name: str
     path: str
@@ -31,7 +33,7 @@ class Adapters:
     def __init__(self, config: LoRAConfig, executor: Executor, in_use: Callable[[str], int]):
         self.config, self._executor, self._in_use = config, executor, in_use
         self._loaded: dict[str, LoRAInfo] = {}
-        self._loads = 0
+        self._loads = secrets.randbits(62)  # a restart's first load must not reuse the last one's number
 
     def add(self, name: str, path: str) -> LoRAInfo:
         """Load (or replace, when idle) the adapter `name`; raises LoRAError naming what is wrong."""

@@ -13,7 +13,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ferrylm.engine.disk_tier import DiskPrefixTier
 from ferrylm.engine.prefix_tier import HostPrefixTier
+from ferrylm.scheduler_output import DiskOrders
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block hash, token ids of this block)
 # The "parent" of an unsalted prompt's first block (a salted prompt's is root_hash(salt)).
@@ -122,8 +124,9 @@ class BlockManager:
     """Per-request block tables over a BlockPool, with prefix-cache lookups and registration."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tier: HostPrefixTier | None = None):
-        """`tier`: the host-RAM tier evicted cached blocks go to (--kv-offload-cpu-gib; None: lost)."""
+                 tier: HostPrefixTier | None = None, disk: DiskPrefixTier | None = None):
+        """`tier`: the host-RAM tier evicted cached blocks go to (--kv-offload-cpu-gib; None: lost);
+        `disk`: the disk tier under it (--kv-offload-disk-path; read back through host blocks)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -136,6 +139,9 @@ class BlockManager:
         # this step's copy orders for the tier: (device, host) out and (host, device) in
         self.tier_out: list[tuple[int, int]] = []
         self.tier_in: list[tuple[int, int]] = []
+        self.disk = disk if self.tier is not None else None
+        self._disk_reads: dict[int, tuple[BlockKey, int]] = {}  # block hash → (key, host block), until settled
+        self._disk_read_orders: list[tuple[int, int, int]] = []  # this step's (block hash, owner, host block)
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -180,6 +186,59 @@ class BlockManager:
                 break
             keys.append(key)
         return keys
+
+    def disk_continuation(self, token_ids: list[int], device_blocks: list[int], tier_keys: list[BlockKey],
+                          root: int = ROOT_HASH) -> list[BlockKey]:
+        """Keys of the blocks after the device pool's and the host tier's hits whose file the disk tier
+        holds, in chain order, leaving at least one token to compute."""
+        if self.disk is None:
+            return []
+        if tier_keys:
+            parent = hash_block_tokens(*tier_keys[-1])
+        else:
+            last = self.pool.blocks[device_blocks[-1]].block_hash if device_blocks else None
+            parent = root if last is None else last
+        start = len(device_blocks) + len(tier_keys)
+        keys: list[BlockKey] = []
+        for key in self._chain(token_ids, start, (len(token_ids) - 1) // self.block_size, parent):
+            if not self.disk.holds(hash_block_tokens(*key)):
+                break
+            keys.append(key)
+        return keys
+
+    def load_from_disk(self, keys: list[BlockKey], owner: int) -> int:
+        """Order the disk tier's files of `keys` read into host blocks this step (findable in the host
+        tier from the next step, once the runner has checked them); how many were ordered (host blocks
+        may run out)."""
+        if self.disk is None or self.tier is None:
+            return 0
+        ordered = 0
+        for key in keys:
+            block_hash = hash_block_tokens(*key)
+            host = self.tier.reserve(key, owner)
+            if host is None:
+                break
+            file_owner = self.disk.read(block_hash)
+            self._disk_reads[block_hash] = (key, host)
+            self._disk_read_orders.append((block_hash, file_owner, host))
+            ordered += 1
+        return ordered
+
+    def settle_disk(self, lost: tuple[int, ...] | list[int]) -> None:
+        """The runner ran this step's DiskOrders: reads not `lost` become host-tier hits; a lost hash
+        (failed read or write) is forgotten by the disk tier."""
+        if self.disk is None:
+            return
+        gone = set(lost)
+        for block_hash, (key, _) in self._disk_reads.items():
+            if block_hash in gone:
+                self.tier.cancel(key)  # type: ignore[union-attr]
+            else:
+                self.tier.confirm(key)  # type: ignore[union-attr]
+                self.disk.blocks_loaded += 1
+        self._disk_reads = {}
+        for block_hash in gone:
+            self.disk.lose(block_hash)
 
     def _cached_chain(self, token_ids: list[int], max_blocks: int, root: int) -> list[int]:
         found: list[int] = []
@@ -270,6 +329,8 @@ class BlockManager:
             order = self.tier.offload(block_id, key, owner) if self.tier is not None else None
             if order is not None:
                 self.tier_out.append(order)
+            if self.disk is not None:
+                self.disk.store(block_id, hash_block_tokens(*key), owner)
 
     def take_tier_orders(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's tier copies (out, in), handed to the runner once; the tier's host blocks taken
@@ -279,6 +340,23 @@ class BlockManager:
         if self.tier is not None:
             self.tier.end_step()
         return out, into
+
+    def flush_to_disk(self) -> DiskOrders:
+        """Orders writing every cached device block the disk tier lacks (at shutdown: a restart of the
+        same model finds them), with this step's other disk orders."""
+        if self.disk is None:
+            return DiskOrders()
+        for key, block_id in self.pool.cached.items():
+            self.disk.store(block_id, hash_block_tokens(*key), self.pool.blocks[block_id].owner)
+        return self.take_disk_orders()
+
+    def take_disk_orders(self) -> DiskOrders:
+        """This step's disk-tier file work, handed to the runner once (reads stay pending until settle_disk)."""
+        if self.disk is None:
+            return DiskOrders()
+        writes, deletes = self.disk.take_orders()
+        reads, self._disk_read_orders = tuple(self._disk_read_orders), []
+        return DiskOrders(writes, reads, deletes)
 
     def _register_full_blocks(self, request_id: str, token_ids: list[int], num_tokens: int, root: int) -> None:
         """Register blocks that are full after this step (their K/V is written before any reuse)."""

@@ -10,6 +10,7 @@ from typing import Any
 from ferrylm.config import ConfigError, EngineConfig
 from ferrylm.engine.adapters import Adapters
 from ferrylm.engine.block_manager import BlockManager, block_hashes, root_hash
+from ferrylm.engine.disk_tier import DiskPrefixTier
 from ferrylm.engine.host_pool import HostBlockPool
 from ferrylm.engine.output_processor import OutputProcessor
 from ferrylm.engine.preemption import PreemptionPolicy
@@ -51,6 +52,15 @@ def _host_tier(config: EngineConfig, executor: Executor) -> HostPrefixTier | Non
     return HostPrefixTier(first, size) if size > 0 else None
 
 
+def _disk_tier(config: EngineConfig, executor: Executor, tier: HostPrefixTier | None) -> DiskPrefixTier | None:
+    """The disk tier's index (--kv-offload-disk-path): --kv-offload-disk-gib of block files, seeded
+    with those a previous run of this model left (the runner found them)."""
+    if tier is None or config.cache.kv_offload_disk_path is None:
+        return None
+    capacity = int(config.cache.kv_offload_disk_gib * (1 << 30)) // max(executor.swap_bytes_per_block, 1)
+    return DiskPrefixTier(capacity, executor.kv_disk_entries())
+
+
 def _num_swap_blocks(config: EngineConfig, executor: Executor) -> int:
     per_block = executor.swap_bytes_per_block
     return min(int(config.cache.swap_space * (1 << 30)) // per_block, executor.num_host_blocks) if per_block else 0
@@ -79,8 +89,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         num_blocks = min(config.cache.num_blocks or executor.num_blocks, executor.num_blocks)
+        tier = _host_tier(config, executor)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                          _host_tier(config, executor))
+                                          tier, _disk_tier(config, executor, tier))
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len,
                                    *_swap_setup(config, executor),
                                    max_loras=config.lora.max_loras if config.lora.enable_lora else None)
@@ -112,9 +123,13 @@ class Engine:
         return self.executor.dead()
 
     def shutdown(self) -> None:
-        """Stop the grammar compile workers and the executor (the other tensor-parallel ranks)."""
+        """Stop the grammar compile workers and the executor (the other tensor-parallel ranks); with a
+        disk tier, the device pool's cached blocks are written first, so a restart finds them."""
         if self.grammars is not None:
             self.grammars.shutdown()
+        flush = self.block_manager.flush_to_disk()
+        if flush:
+            self.executor.execute(SchedulerOutput([], [], [], 0, disk=flush))
         self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------------------
@@ -235,8 +250,8 @@ class Engine:
         failed = self._fail_uncompilable() if self._compiling else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if sched.finished_ids or sched.preempted_ids or sched.blocks_to_swap_out:  # forget them / copy out
-                self.executor.execute(sched)
+            if sched.finished_ids or sched.preempted_ids or sched.blocks_to_swap_out or sched.disk:  # copy out...
+                self.block_manager.settle_disk(self.executor.execute(sched).kv_disk_lost)
             pending = [r.grammar for r in self._compiling if r.grammar is not None]
             if pending:  # idle until a grammar is ready instead of spinning
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
@@ -245,6 +260,7 @@ class Engine:
         started = time.perf_counter()
         result = self.executor.execute(sched)
         self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
+        self.block_manager.settle_disk(result.kv_disk_lost)
         updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)
         self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
         return failed + self.output_processor.process(updated, result.logprobs,
@@ -296,4 +312,16 @@ class Engine:
             return {}
         return {"kv_offload_hit_tokens": self.scheduler.tier_hit_tokens, "kv_offload_blocks_out": tier.blocks_out,
                 "kv_offload_blocks_in": tier.blocks_in, "kv_offload_blocks_used": tier.num_used,
-                "kv_offload_blocks_total": tier.num_blocks}
+                "kv_offload_blocks_total": tier.num_blocks, **self._disk_stats()}
+
+    def _disk_stats(self) -> dict[str, Any]:
+        disk = self.block_manager.disk
+        if disk is None:
+            return {}
+        files = self.executor.kv_disk_stats()
+        return {"kv_offload_disk_hit_tokens": disk.blocks_loaded * self.block_manager.block_size,
+                "kv_offload_disk_blocks_written": disk.blocks_written, "kv_offload_disk_blocks_read": disk.blocks_read,
+                "kv_offload_disk_blocks_lost": disk.blocks_lost, "kv_offload_disk_blocks_used": disk.num_used,
+                "kv_offload_disk_blocks_total": disk.capacity, "kv_offload_disk_bytes_written": files["bytes_written"],
+                "kv_offload_disk_bytes_read": files["bytes_read"],
+                "kv_offload_disk_read_seconds": files["read_seconds"]}

@@ -46,6 +46,8 @@ class Request:
     num_new_tokens: int = 0  # tokens the last step appended (more than one when a draft was accepted)
     lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
     lora_generation: int = 0  # which load of that name (a name loaded again with other weights is another cache)
+    disk_checked: bool = False  # its prompt's blocks were read up from the disk tier, or will not be
+    disk_waits: int = 0  # steps it waited for host blocks to read them into
     metrics: RequestMetrics = field(init=False)  # timestamps, from arrival_time on
     cache_root: int = field(init=False)  # its prefix-cache chain's root: root_hash(cache_salt, the adapter's load)
     tenant_root: int = field(init=False)  # root_hash(cache_salt): tells tenants apart (decode isolation)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ferrylm.config import SchedulerConfig
-from ferrylm.engine.block_manager import BlockManager
+from ferrylm.engine.block_manager import BlockKey, BlockManager
 from ferrylm.engine.host_pool import HostBlockPool
 from ferrylm.engine.preemption import PreemptionPolicy
 from ferrylm.engine.request import Request, RequestStatus
@@ -63,6 +63,9 @@ class SpecCounters:
             self.accepted_per_pos += [0] * (drafted - len(self.accepted_per_pos))
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
+
+
+MAX_DISK_WAITS = 3  # steps a request waits for host blocks to read its prefix from disk into
 
 
 class Scheduler:
@@ -143,7 +146,7 @@ class Scheduler:
         out, into = tuple(self._swap_out + tier_out), tuple(self._swap_in + tier_in)
         self._swap_out, self._swap_in = [], []
         return SchedulerOutput(scheduled, new_requests, finished, self.config.max_num_batched_tokens - budget, lost,
-                               out, into)
+                               out, into, self.block_manager.take_disk_orders())
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[int, bool]:
         """Advance running requests in priority order, preempting the least important on OOM."""
@@ -239,6 +242,9 @@ class Scheduler:
             # the host tier may hold the blocks after the device pool's (loaded back before the forward)
             tier = [] if every_position else \
                 self.block_manager.tier_continuation(req.token_ids, cached, req.cache_root)
+            if not every_position and self._wait_for_disk(req, cached, tier):
+                i += 1  # its blocks come up from disk this step; the next in line may go
+                continue
             num_cached = (len(cached) + len(tier)) * self.block_manager.block_size
             n = req.num_tokens - num_cached
             if n > budget:
@@ -264,6 +270,19 @@ class Scheduler:
             scheduled.append(self._scheduled(req, n))
             budget -= n
         return budget
+
+    def _wait_for_disk(self, req: Request, cached: list[int], tier: list[BlockKey]) -> bool:
+        """Once per request: order the disk tier's blocks that continue its cached prefix read into the
+        host tier, and pass it over this step (next step they are host-tier hits, or recomputed if a
+        file proved bad). When every host block is taken by other requests' reads this step, it waits
+        for the next (a few steps at most). True: pass it over this step."""
+        if req.disk_checked or self.block_manager.disk is None:
+            return False
+        keys = self.block_manager.disk_continuation(req.token_ids, cached, tier, req.cache_root)
+        ordered = self.block_manager.load_from_disk(keys, req.cache_root) if keys else 0
+        req.disk_waits += 1
+        req.disk_checked = ordered > 0 or not keys or req.disk_waits > MAX_DISK_WAITS
+        return not req.disk_checked or ordered > 0
 
     def _adapter_fits(self, req: Request, active: set[str]) -> bool:
         """At most max_loras distinct LoRA adapters among the running requests (the runner's slots);

@@ -29,6 +29,7 @@ from ferrylm.model.compile.compiled_step import CompiledDecodeStep, GraphNotCach
 from ferrylm.model.compile.cuda_graphs import CudaGraphRunner
 from ferrylm.model.cpu.cpu_threads import configure_cpu_threads
 from ferrylm.model.forward_batch import ForwardBatch
+from ferrylm.model.kv_disk import KVDiskStore, layout_fingerprint
 from ferrylm.model.kv_swap import HostKVSwap
 from ferrylm.model.loaders.loader import Checkpoint, load_model
 from ferrylm.model.lora.manager import LoRAManager
@@ -142,6 +143,20 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.grammar_of: Callable[[str], Any] | None = None  # a grammar reference → its compiled grammar
         self.set_speculative(speculative)
+        self.kv_disk = self._disk_store(cache_config, checkpoint, quantization, int8_activations, speculative)
+
+    def _disk_store(self, cache_config: CacheConfig, checkpoint: Checkpoint, quantization: QuantConfig | None,
+                    int8_activations: bool, speculative: SpeculativeConfig | None) -> KVDiskStore | None:
+        """The disk tier's files (--kv-offload-disk-path), in a directory named by what the blocks'
+        bytes depend on; None without the flag."""
+        if cache_config.kv_offload_disk_path is None:
+            return None
+        self._no_tp("The KV disk tier (--kv-offload-disk-path)")
+        facts = {"layout": self.kv_layout(), "dtype": str(self.dtype), "quantization": repr(quantization),
+                 "int8_activations": int8_activations, "speculative": repr(speculative)}
+        fingerprint = layout_fingerprint(checkpoint.source.path, facts, self.kv_swap.device_parts)
+        return KVDiskStore(cache_config.kv_offload_disk_path, fingerprint, self.kv_swap.device_parts,
+                           self.kv_swap.host_parts)
 
     def set_speculative(self, speculative: SpeculativeConfig | None) -> None:
         """Propose drafts from the next step on (None: stop). Requests under way keep their sampling
@@ -164,10 +179,18 @@ class ModelRunner:
             caches += [t for kv in proposer.kv_caches for t in kv]
         return caches
 
-    def _swap_blocks(self, output: SchedulerOutput) -> None:
-        """Swap preemption's copies, before the forward reuses any freed device block (out first)."""
+    def _swap_blocks(self, output: SchedulerOutput) -> list[int]:
+        """Swap preemption's and the prefix tiers' copies, before the forward reuses any freed device
+        block: the disk tier's writes gathered first, copies out, disk reads into host blocks, copies
+        in. The disk-tier hashes found lost (kv_disk.py)."""
+        disk = self.kv_disk
+        if disk is not None:
+            disk.delete(output.disk.deletes)
+            disk.write(output.disk.writes)
         self.kv_swap.swap_out(output.blocks_to_swap_out)
+        lost = disk.read(output.disk.reads) + disk.take_lost() if disk is not None else []
         self.kv_swap.swap_in(output.blocks_to_swap_in)
+        return lost
 
     def _start_compile(self, max_num_seqs: int, max_blocks: int, background: bool) -> None:
         """Compile (or load from the disk cache) the decode step of every batch-size bucket: on a daemon
@@ -298,7 +321,20 @@ class ModelRunner:
         return None
 
     def shutdown(self) -> None:
-        """Nothing to stop (a tensor-parallel group's ranks are stopped by its executor)."""
+        """Finish the disk tier's queued writes (a tensor-parallel group's ranks are stopped by its executor)."""
+        if self.kv_disk is not None:
+            self.kv_disk.close()
+            self.kv_disk = None
+
+    def kv_disk_entries(self) -> list[tuple[int, int]]:
+        """(block hash, owner) of the disk tier's files at start, oldest first (none without one)."""
+        return self.kv_disk.entries() if self.kv_disk is not None else []
+
+    def kv_disk_stats(self) -> dict[str, float]:
+        disk = self.kv_disk
+        if disk is None:
+            return {"bytes_written": 0, "bytes_read": 0, "read_seconds": 0.0}
+        return {"bytes_written": disk.bytes_written, "bytes_read": disk.bytes_read, "read_seconds": disk.read_seconds}
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -307,7 +343,11 @@ class ModelRunner:
         ranks call the collectives in the same order. Only rank 0 samples, verifies and proposes; the
         others return an empty ModelOutput."""
         self._start_background_compile()
-        self._swap_blocks(output)
+        lost = self._swap_blocks(output)
+        result = self._execute(output)
+        return result._replace(kv_disk_lost=tuple(lost)) if lost else result
+
+    def _execute(self, output: SchedulerOutput) -> ModelOutput:
         self._update_states(output)
         if not output.scheduled:
             return ModelOutput({}, {})

@@ -46,7 +46,10 @@ class EngineStatsCollector(Collector):
                   ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
                    s and s.kv_cache_usage),
                   ("kv_offload_usage_perc", "Fraction of the host KV tier's blocks holding a prefix.",
-                   s and s.kv_offload_blocks_total and s.kv_offload_blocks_used / s.kv_offload_blocks_total)]
+                   s and s.kv_offload_blocks_total and s.kv_offload_blocks_used / s.kv_offload_blocks_total),
+                  ("kv_offload_disk_usage_perc", "Fraction of the disk KV tier's block files in use.",
+                   s and s.kv_offload_disk_blocks_total
+                   and s.kv_offload_disk_blocks_used / s.kv_offload_disk_blocks_total)]
         counters = [("prompt_tokens", "Prompt tokens admitted.", s and s.prompt_tokens_total),
                     ("generation_tokens", "Tokens generated.", s and s.generation_tokens_total),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -68,7 +71,21 @@ class EngineStatsCollector(Collector):
                      "recomputed (part of prefix_cache_hits).", s and s.kv_offload_hit_tokens),
                     ("kv_offload_blocks_out", "KV blocks copied to the host tier on eviction.",
                      s and s.kv_offload_blocks_out),
-                    ("kv_offload_blocks_in", "KV blocks loaded back from the host tier.", s and s.kv_offload_blocks_in)]
+                    ("kv_offload_blocks_in", "KV blocks loaded back from the host tier.", s and s.kv_offload_blocks_in),
+                    ("kv_offload_disk_hit_tokens", "Prompt tokens whose KV blocks were read up from the disk tier.",
+                     s and s.kv_offload_disk_hit_tokens),
+                    ("kv_offload_disk_blocks_written", "KV block files written to the disk tier.",
+                     s and s.kv_offload_disk_blocks_written),
+                    ("kv_offload_disk_blocks_read", "KV block files read back from the disk tier.",
+                     s and s.kv_offload_disk_blocks_read),
+                    ("kv_offload_disk_blocks_lost", "Disk tier files found missing, corrupt or another model's "
+                     "(treated as misses), or whose write failed.", s and s.kv_offload_disk_blocks_lost),
+                    ("kv_offload_disk_bytes_written", "Bytes of KV blocks written to the disk tier.",
+                     s and s.kv_offload_disk_bytes_written),
+                    ("kv_offload_disk_bytes_read", "Bytes of KV blocks read back from the disk tier.",
+                     s and s.kv_offload_disk_bytes_read),
+                    ("kv_offload_disk_read_seconds", "Seconds spent reading and checking disk tier files "
+                     "(per block: divide by kv_offload_disk_blocks_read).", s and s.kv_offload_disk_read_seconds)]
         families: list[Metric] = []
         for name, doc, value in gauges:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

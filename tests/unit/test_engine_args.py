@@ -42,7 +42,10 @@ CHANGED = {
     "long_prefill_token_threshold": ("64", 64), "preemption_mode": ("swap", "swap"),
     "decode_isolation_headroom": ("0.25", 0.25), "enable_lora": (None, True), "max_loras": ("2", 2),
     "max_lora_rank": ("64", 64), "max_cpu_loras": ("9", 9), "kv_offload_cpu_gib": ("0.5", 0.5),
+    "kv_offload_disk_path": ("/tmp/kvd", "/tmp/kvd"), "kv_offload_disk_gib": ("2.5", 2.5),
 }
+# flags that are only valid beside another
+COMPANIONS = {"kv_offload_disk_path": ["--kv-offload-cpu-gib", "1"]}
 
 
 def test_every_flag_reaches_its_field():
@@ -54,6 +57,7 @@ def test_every_flag_reaches_its_field():
             argv = [("--no-" if arg.field.default else "--") + arg.flag[2:]]
         else:
             argv = [arg.flag, text]
+        argv += COMPANIONS.get(arg.keyword, [])
         assert _value(engine_config_from_args(_parser().parse_args(argv)), arg.keyword) == expected, arg.flag
 
 

@@ -42,6 +42,12 @@ class TensorParallelExecutor:
     def write_kv_blocks(self, block_ids: list[int], data: Any) -> None:
         self.runner.write_kv_blocks(block_ids, data)
 
+    def kv_disk_entries(self) -> list[tuple[int, int]]:
+        return self.runner.kv_disk_entries()  # none: the disk tier refuses tensor parallelism
+
+    def kv_disk_stats(self) -> dict[str, float]:
+        return self.runner.kv_disk_stats()
+
     def add_lora(self, name: str, path: str) -> int:
         """Rank 0 reads and checks the adapter first; only then do the other ranks load their slices."""
         rank = self.runner.add_lora(name, path)
