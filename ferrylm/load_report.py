@@ -17,7 +17,7 @@ class LoadReport:
 
     num_waiting: int
     num_running: int
-    num_waiting_prompt_tokens: int  # prompt tokens the waiting requests still have to prefill
+    num_waiting_prompt_tokens: int  # prompt tokens the waiting requests still have to prefill (tier hits excluded)
     kv_blocks_used: int
     kv_blocks_total: int
     prefix_cache_queries: int  # prompt tokens looked up (cumulative)
@@ -55,6 +55,7 @@ class LoadReport:
     running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     max_lora: int = 0
+    num_waiting_cached_tokens: int = 0  # waiting requests' prompt tokens found in some cache tier on arrival
     # the prefix cache's host tier (--kv-offload-cpu-gib): prompt tokens loaded back from it instead of
     # recomputed (cumulative, part of prefix_cache_hits), blocks copied to it / back (cumulative), and
     # its occupancy now

@@ -206,6 +206,14 @@ class BlockManager:
             keys.append(key)
         return keys
 
+    def probe_cached_tokens(self, token_ids: list[int], root: int = ROOT_HASH) -> int:
+        """Prompt tokens a request would not prefill if scheduled now: the prefix found in the device
+        pool, then the host tier, then the disk tier (a read, hashing only; what admission estimates)."""
+        device = self.find_cached_prefix(token_ids, root)
+        tier = self.tier_continuation(token_ids, device, root)
+        disk = self.disk_continuation(token_ids, device, tier, root)
+        return (len(device) + len(tier) + len(disk)) * self.block_size
+
     def load_from_disk(self, keys: list[BlockKey], owner: int) -> int:
         """Order the disk tier's files of `keys` read into host blocks this step (findable in the host
         tier from the next step, once the runner has checked them); how many were ordered (host blocks

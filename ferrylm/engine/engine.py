@@ -31,6 +31,12 @@ def _output_left(request: Request) -> int:
     return max(0, request.max_tokens - request.num_output_tokens)
 
 
+def _prefill_left(request: Request) -> int:
+    """Prompt tokens a waiting request still has to compute, less the prefix some cache tier held when
+    it arrived: a tier hit is a copy, far cheaper than a prefill (admission's projected wait)."""
+    return request.num_tokens - max(request.num_computed_tokens, request.probed_cached_tokens)
+
+
 def _certain_output_left(request: Request) -> int:
     """Output tokens that will be generated whatever the model says (ignore_eos, min_tokens)."""
     if request.sampling_params.ignore_eos:
@@ -284,7 +290,8 @@ class Engine:
         s, waiting, running = self.scheduler.stats(), self.scheduler.waiting, self.scheduler.running
         return LoadReport(
             num_waiting=s.num_waiting, num_running=s.num_running,
-            num_waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+            num_waiting_prompt_tokens=sum(_prefill_left(r) for r in waiting),
+            num_waiting_cached_tokens=sum(r.num_tokens - r.num_computed_tokens - _prefill_left(r) for r in waiting),
             kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
             kv_blocks_total=self.block_manager.num_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,

@@ -48,6 +48,7 @@ class Request:
     lora_generation: int = 0  # which load of that name (a name loaded again with other weights is another cache)
     disk_checked: bool = False  # its prompt's blocks were read up from the disk tier, or will not be
     disk_waits: int = 0  # steps it waited for host blocks to read them into
+    probed_cached_tokens: int = 0  # its prompt's prefix cached in some tier when it arrived (admission's estimate)
     metrics: RequestMetrics = field(init=False)  # timestamps, from arrival_time on
     cache_root: int = field(init=False)  # its prefix-cache chain's root: root_hash(cache_salt, the adapter's load)
     tenant_root: int = field(init=False)  # root_hash(cache_salt): tells tenants apart (decode isolation)

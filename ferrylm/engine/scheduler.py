@@ -125,6 +125,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
+        sp = request.sampling_params
+        if sp.prompt_logprobs is None and sp.pooling not in ("mean", "cls"):  # those compute every position
+            request.probed_cached_tokens = self.block_manager.probe_cached_tokens(request.token_ids,
+                                                                                  request.cache_root)
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:

@@ -215,3 +215,23 @@ def test_a_full_disk_is_a_miss(tiny, expected, tmp_path):
     assert result["first"] == first and result["second"] == second
     assert result["written"] > 0 and result["lost"] > 0
     assert not list(tmp_path.glob("*/*.kv")) and not list(tmp_path.glob("*/*.tmp"))
+
+
+def test_waiting_prefill_excludes_tier_hits(tiny, expected, tmp_path):
+    """Admission's queued prefill (LoadReport.num_waiting_prompt_tokens) counts only what no tier
+    holds: after turn 1, queued turn-2 prompts report their device, host and disk hits as cached."""
+    first, _, host = expected
+    llm = LLM(str(tiny), kv_offload_cpu_gib=host, kv_offload_disk_path=str(tmp_path), **_common(tiny))
+    _first_turn(llm)
+    prompts = [c + f + [200 + s, 201, 202, 203] for s, (c, f) in enumerate(zip(CONTEXTS, first))]
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"turn2-{i}", prompt, PARAMS)
+    stats = llm.engine.stats()
+    total = sum(len(p) for p in prompts)
+    # every prompt's first 48 tokens (6 blocks) are in some tier: only the rest is prefill
+    assert stats.num_waiting_cached_tokens == 6 * 48
+    assert stats.num_waiting_prompt_tokens == total - 6 * 48
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.stats().num_waiting_cached_tokens == 0
+    llm.shutdown()
