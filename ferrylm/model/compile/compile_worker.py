@@ -13,6 +13,7 @@ while the child runs, and only on a cold cache (a warm one has nothing to compil
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -36,8 +37,11 @@ def compile_in_child(config: EngineConfig) -> bool:
     log.info("compiling the decode graphs in a child process (pid %d, nice +%d); steps run eagerly meanwhile",
              proc.pid, NICENESS)
     assert proc.stdin is not None
+    # the child needs the model and the KV pool's shape only: no host blocks, and not the disk tier's
+    # directory, which one process holds at a time
+    cache = dataclasses.replace(config.cache, swap_space=0.0, kv_offload_cpu_gib=0.0, kv_offload_disk_path=None)
     try:
-        proc.stdin.write(pickle.dumps((config, os.getpid())))
+        proc.stdin.write(pickle.dumps((dataclasses.replace(config, cache=cache), os.getpid())))
         proc.stdin.close()
     except BrokenPipeError:
         pass  # it died at start: its exit code says so
