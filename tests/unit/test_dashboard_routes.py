@@ -33,6 +33,7 @@ def test_page_and_assets_with_their_content_types(make_app):
         assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
         assert "default-src 'self'" in page.headers["content-security-policy"]
         assert not re.search(r"(src|href)=\"(https?:)?//", page.text), "nothing loaded from another origin"
+        assert '<table id="tiers">' in page.text, "the KV cache tiers panel"
         for name, kind in (("dashboard.js", "text/javascript"), ("dashboard.css", "text/css")):
             r = http.get(f"/dashboard/static/{name}")
             assert r.status_code == 200 and r.headers["content-type"].startswith(kind) and f"/{name}" in page.text
@@ -56,6 +57,7 @@ def test_serve_data_reports_its_own_health_and_takes_the_metrics_credential():
         assert data["source"] == "serve" and data["num_points"] >= 1 and not data["health"][0]["ok"]
         assert set(data["series"]) >= {"t", "ttft_p50", "itl_p99", "generation_tokens_per_s", "num_waiting",
                                        "kv_cache_usage", "prefix_cache_hit_rate", "prefill_tokens_per_step"}
+        assert data["kv_tiers"] is None, "no engine reports: no tiers panel (not a panel of zeros)"
     with TestClient(serve_app()) as http:
         assert http.get("/dashboard/data").status_code == 200, "open by default, as /metrics"
 
@@ -68,6 +70,7 @@ def test_gateway_data_lists_each_replica_as_the_router_sees_it():
         assert replica["name"] == "http://127.0.0.1:9" and replica["state"] == "never ready"
         assert replica["ok"] is False and replica["detail"]["group"] == "m"
         assert data["series"]["num_waiting"][-1] is None, "no replica reported: nothing, not zero"
+        assert data["kv_tiers"] is None
         assert "itl" in data["notes"]
 
 

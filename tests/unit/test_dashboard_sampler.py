@@ -1,17 +1,21 @@
 """The dashboard's numbers on their own: percentiles from histogram bucket deltas (checked against
 exact percentiles of the observations, within a bucket), rates and per-step averages from counter
-deltas, the trailing window, resets, and the ring buffer's bound."""
+deltas, the trailing window, resets, and the ring buffer's bound; the KV cache tiers panel (occupancy,
+hit tokens and blocks moved with their rates, the disk's load-back latency, "off" for a tier that is off)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import random
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
+from ferrylm.load_report import LoadReport
 from ferrylm.observability.dashboard.quantiles import Buckets, histogram_quantile
-from ferrylm.observability.dashboard.readings import read_buckets
+from ferrylm.observability.dashboard.readings import counters_of, gauges_of, read_buckets, server_reader
 from ferrylm.observability.dashboard.sampler import (
     Counters,
     DashboardConfig,
@@ -20,6 +24,7 @@ from ferrylm.observability.dashboard.sampler import (
     Health,
     Reading,
 )
+from ferrylm.observability.dashboard.tiers import TierCounters, tier_counters
 from ferrylm.observability.metrics import TTFT_BUCKETS
 
 INF = math.inf
@@ -132,3 +137,130 @@ def test_windows_start_at_the_first_reading_that_reported():
     assert sampler.to_json()["series"]["prefix_cache_hit_rate"][-1] == 0.4
     summary = sampler.to_json()["summary"]
     assert summary["prefix_cache_hit_rate"] == 0.4 and summary["generation_tokens_per_s"] == 20.0
+
+
+# -- the KV cache tiers panel --------------------------------------------------------------------
+
+BLOCK_BYTES = 65536
+
+
+def tier_load(**fields) -> LoadReport:
+    """A LoadReport with only the tier figures given (the rest as an idle engine's)."""
+    return dataclasses.replace(LoadReport.empty(), **fields)
+
+
+BEFORE = tier_load(kv_blocks_used=100, kv_blocks_total=400, prefix_cache_queries=1000, prefix_cache_hits=600,
+                   kv_offload_hit_tokens=200, kv_offload_blocks_out=50, kv_offload_blocks_in=10,
+                   kv_offload_blocks_used=30, kv_offload_blocks_total=120,
+                   kv_offload_disk_hit_tokens=64, kv_offload_disk_blocks_written=40, kv_offload_disk_blocks_read=4,
+                   kv_offload_disk_blocks_lost=1, kv_offload_disk_bytes_written=40 * BLOCK_BYTES,
+                   kv_offload_disk_bytes_read=4 * BLOCK_BYTES, kv_offload_disk_read_seconds=0.02,
+                   kv_offload_disk_blocks_used=40, kv_offload_disk_blocks_total=1000)
+# four seconds later: +800 hits of which +320 from the host tier, +128 read up from disk, 8 files
+# read in 0.08 s, one more lost
+AFTER = tier_load(kv_blocks_used=300, kv_blocks_total=400, prefix_cache_queries=2000, prefix_cache_hits=1400,
+                  kv_offload_hit_tokens=520, kv_offload_blocks_out=90, kv_offload_blocks_in=30,
+                  kv_offload_blocks_used=60, kv_offload_blocks_total=120,
+                  kv_offload_disk_hit_tokens=192, kv_offload_disk_blocks_written=60, kv_offload_disk_blocks_read=12,
+                  kv_offload_disk_blocks_lost=2, kv_offload_disk_bytes_written=60 * BLOCK_BYTES,
+                  kv_offload_disk_bytes_read=12 * BLOCK_BYTES, kv_offload_disk_read_seconds=0.1,
+                  kv_offload_disk_blocks_used=60, kv_offload_disk_blocks_total=1000)
+
+
+def load_reading(t: float, load: LoadReport) -> Reading:
+    return Reading(wall=1000.0 + t, mono=t, counters=counters_of(load), gauges=gauges_of(load), ttft=None, itl=None,
+                   tiers=tier_counters([load], [load]))
+
+
+def tiers_panel(*readings: Reading, config: DashboardConfig | None = None) -> dict:
+    sampler = DashboardSampler(lambda: readings[0], "serve", config or DashboardConfig())
+    for r in readings:
+        sampler.add(r)
+    panel = sampler.to_json()["kv_tiers"]
+    json.dumps(panel, allow_nan=False)  # what /dashboard/data sends: no NaN, no infinity
+    return panel
+
+
+def moves(row: dict) -> tuple:
+    """Blocks out and in: totals and rates."""
+    return row["blocks_out"], row["blocks_out_per_s"], row["blocks_in"], row["blocks_in_per_s"]
+
+
+def test_tier_panel_occupancy_hits_moves_rates_and_disk_latency():
+    panel = tiers_panel(load_reading(0, BEFORE), load_reading(4, AFTER))
+    assert panel["seconds"] == 4.0
+    device, host, disk = panel["tiers"]
+    assert [device["tier"], host["tier"], disk["tier"]] == ["device", "host", "disk"]
+    assert device["on"] and host["on"] and disk["on"]
+    # the device pool: prefix_cache_hits less the host tier's share (1400 - 520), rate (800 - 320) / 4 s
+    assert (device["blocks_used"], device["blocks_total"], device["occupancy"]) == (300, 400, 0.75)
+    assert device["hit_tokens"] == 880 and device["hit_tokens_per_s"] == 120.0
+    assert device["blocks_out"] is None and device["load_latency_s"] is None, "moves are the lower tiers'"
+    assert (host["occupancy"], host["hit_tokens"], host["hit_tokens_per_s"]) == (0.5, 520, 80.0)
+    assert moves(host) == (90, 10.0, 30, 5.0)
+    assert host["bytes_out"] is None and host["blocks_lost"] is None
+    assert (disk["blocks_used"], disk["blocks_total"], disk["occupancy"]) == (60, 1000, 0.06)
+    assert (disk["hit_tokens"], disk["hit_tokens_per_s"]) == (192, 32.0)
+    assert moves(disk) == (60, 5.0, 12, 2.0)
+    assert (disk["bytes_out"], disk["bytes_out_per_s"]) == (60 * BLOCK_BYTES, 5.0 * BLOCK_BYTES)
+    assert (disk["bytes_in"], disk["bytes_in_per_s"]) == (12 * BLOCK_BYTES, 2.0 * BLOCK_BYTES)
+    assert disk["load_latency_s"] == pytest.approx(0.01)  # 0.08 s over the window's 8 reads
+    assert disk["load_latency_total_s"] == pytest.approx(0.1 / 12, abs=1e-6)  # since start (to the µs)
+    assert disk["blocks_lost"] == 2
+
+
+def test_a_tier_that_is_off_is_off_not_zeros():
+    no_tiers = tier_load(kv_blocks_used=5, kv_blocks_total=10, prefix_cache_queries=100, prefix_cache_hits=40)
+    panel = tiers_panel(load_reading(0, no_tiers), load_reading(1, no_tiers))
+    device, host, disk = panel["tiers"]
+    assert device["on"] and device["occupancy"] == 0.5 and device["hit_tokens"] == 40
+    assert device["hit_tokens_per_s"] == 0.0, "on and idle: a rate of zero"
+    for row in (host, disk):
+        assert row["on"] is False
+        assert all(v is None for k, v in row.items() if k not in ("tier", "on")), row
+    host_only = dataclasses.replace(no_tiers, kv_offload_blocks_total=8)
+    _, host, disk = tiers_panel(load_reading(0, host_only))["tiers"]
+    assert host["on"] and host["occupancy"] == 0.0 and host["hit_tokens_per_s"] is None, "one reading: no rate"
+    assert disk["on"] is False
+    [device, *_] = tiers_panel(load_reading(0, LoadReport.empty()))["tiers"]
+    assert device == {**dict.fromkeys(device, None), "tier": "device", "on": False}
+
+
+def test_tier_rates_cover_the_trailing_window_and_a_reset_reads_as_zero():
+    config = DashboardConfig(interval_s=1.0, window_s=60.0, percentile_window_s=2.0)
+    steady = [load_reading(t, dataclasses.replace(BEFORE, kv_offload_hit_tokens=200 + 16 * t)) for t in range(3)]
+    burst = load_reading(3, dataclasses.replace(BEFORE, kv_offload_hit_tokens=200 + 32 + 96))
+    _, host, _ = tiers_panel(*steady, burst, config=config)["tiers"]
+    assert host["hit_tokens_per_s"] == 56.0, "(328 - 216) over the 2 s since the reading one window back"
+    restarted = load_reading(4, tier_load(kv_blocks_total=400, kv_offload_blocks_total=120, kv_offload_hit_tokens=16,
+                                          kv_offload_disk_blocks_total=1000, kv_offload_disk_read_seconds=0.001,
+                                          kv_offload_disk_blocks_read=1))
+    device, host, disk = tiers_panel(*steady, burst, restarted, config=config)["tiers"]
+    assert device["hit_tokens_per_s"] == 0.0 and host["hit_tokens_per_s"] == 0.0 and host["hit_tokens"] == 16
+    assert disk["load_latency_s"] is None, "no read counted in the window (a reset): no latency"
+    assert disk["load_latency_total_s"] == 0.001
+
+
+def test_nothing_reporting_has_no_tier_panel():
+    sampler = DashboardSampler(lambda: Reading(wall=1.0, mono=1.0, counters=None, gauges=None, ttft=None, itl=None),
+                               "serve")
+    sampler.sample()
+    assert sampler.to_json()["kv_tiers"] is None
+
+
+def test_server_reader_takes_the_tiers_from_the_engine_report():
+    read = server_reader(lambda: AFTER, CollectorRegistry(), lambda: Health("this server", "ok", True, {}))
+    assert read().tiers == TierCounters(**{name: getattr(AFTER, name) for name in TierCounters._fields})
+    assert server_reader(lambda: None, CollectorRegistry(), lambda: Health("x", "loading", False, {}))().tiers is None
+
+
+def test_gateway_tiers_sum_every_report_and_the_ready_ones_occupancy():
+    """Cumulative figures over every replica that reported, occupancy over the ready ones; the disk read
+    seconds (a float) are summed too."""
+    down = dataclasses.replace(BEFORE, kv_offload_disk_read_seconds=0.5)
+    tiers = tier_counters([AFTER, down], [AFTER])
+    assert tiers is not None
+    assert tiers.prefix_cache_hits == 2000 and tiers.kv_offload_disk_blocks_read == 16
+    assert tiers.kv_offload_disk_read_seconds == pytest.approx(0.6)
+    assert (tiers.kv_blocks_used, tiers.kv_offload_blocks_used, tiers.kv_offload_disk_blocks_total) == (300, 60, 1000)
+    assert tier_counters([AFTER], []) is None, "no replica ready: no panel"

@@ -1,6 +1,7 @@
 """Readings for the dashboard sampler, taken from what each app already keeps: `ferrylm serve`'s
 engine LoadReport and Prometheus histograms; `ferrylm gateway`'s replicas as the router sees
-them (poller readiness, circuit breaker, last /load) and its own TTFT histogram. Read-only."""
+them (poller readiness, circuit breaker, last /load) and its own TTFT histogram; on both, the
+prefix cache's tiers from the LoadReport (tiers.py). Read-only."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from ferrylm.load_report import LoadReport
 from ferrylm.observability.dashboard.quantiles import Buckets
 from ferrylm.observability.dashboard.sampler import Counters, Gauges, Health, Reading
+from ferrylm.observability.dashboard.tiers import tier_counters
 from ferrylm.observability.metrics import PREFIX
 
 SERVER_TTFT = PREFIX + "time_to_first_token_seconds"
@@ -58,7 +60,7 @@ def server_reader(stats: Callable[[], LoadReport | None], registry: CollectorReg
                        counters=counters_of(load) if load is not None else None,
                        gauges=gauges_of(load) if load is not None else None,
                        ttft=read_buckets(registry, SERVER_TTFT), itl=read_buckets(registry, SERVER_ITL),
-                       health=(health(),))
+                       health=(health(),), tiers=tier_counters([load], [load]) if load is not None else None)
 
     return read
 
@@ -88,7 +90,9 @@ def replica_health(replica: Any, now: float) -> Health:
 def gateway_reader(replicas: Callable[[], Iterable[Any]], registry: CollectorRegistry,
                    ttft_name: str) -> Callable[[], Reading]:
     """`ferrylm gateway`: the fleet's counters summed over every replica that has reported (so they
-    stay monotonic when one goes down), gauges over the ready ones, the router's own TTFT."""
+    stay monotonic when one goes down), gauges over the ready ones, the router's own TTFT. The tiers
+    are summed here, not through LoadReport.combine, which sums int fields only (the disk tier's read
+    seconds are a float)."""
 
     def read() -> Reading:
         now = time.monotonic()
@@ -99,6 +103,7 @@ def gateway_reader(replicas: Callable[[], Iterable[Any]], registry: CollectorReg
                        counters=counters_of(LoadReport.combine(loads)) if loads else None,
                        gauges=gauges_of(LoadReport.combine(ready)) if ready else None,
                        ttft=read_buckets(registry, ttft_name), itl=None,
-                       health=tuple(replica_health(r, now) for r in all_replicas))
+                       health=tuple(replica_health(r, now) for r in all_replicas),
+                       tiers=tier_counters(loads, ready))
 
     return read

@@ -1,6 +1,7 @@
 """DashboardSampler: one reading of an app's stats every second into a ring buffer covering the
 last minutes, and the series the dashboard draws, derived once per reading (rates and per-step
-averages from counter deltas, percentiles from histogram bucket deltas over a trailing window).
+averages from counter deltas, percentiles from histogram bucket deltas over a trailing window),
+and the KV cache tiers table for the latest reading (tiers.py).
 
 Owned by an app's state object (no global state); its task starts and stops with the app."""
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ferrylm.observability.dashboard.quantiles import Buckets, histogram_quantile
+from ferrylm.observability.dashboard.tiers import TierCounters, TierRow, tier_rows
 
 log = logging.getLogger("ferrylm.dashboard")
 
@@ -71,6 +73,7 @@ class Reading:
     ttft: Buckets | None
     itl: Buckets | None  # None where it is not measured (the gateway)
     health: tuple[Health, ...] = ()
+    tiers: TierCounters | None = None  # the prefix cache's tiers (None: nothing ready reports)
 
 
 class Point(NamedTuple):
@@ -147,6 +150,7 @@ class DashboardSampler:
     notes: dict[str, str] = field(default_factory=dict)  # series a source does not measure, and why
     _readings: deque[Reading] = field(init=False)
     _points: deque[Point] = field(init=False)
+    _tiers: tuple[float, list[TierRow]] | None = field(init=False, default=None)  # (seconds covered, rows)
     _task: asyncio.Task | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -164,6 +168,16 @@ class DashboardSampler:
         trail = self._oldest_reporting(max(0, len(self._readings) - back))
         self._readings.append(reading)
         self._points.append(derive_point(reading, prev, trail))
+        self._tiers = self._tier_panel(reading, trail)
+
+    @staticmethod
+    def _tier_panel(cur: Reading, trail: Reading | None) -> tuple[float, list[TierRow]] | None:
+        """The tiers now, rates over the same trailing window as the hit rate (so they agree)."""
+        if cur.tiers is None:
+            return None
+        old = trail.tiers if trail is not None else None
+        dt = cur.mono - trail.mono if trail is not None and old is not None else 0.0
+        return round(dt, 3), tier_rows(cur.tiers, old, dt)
 
     def _oldest_reporting(self, start: int) -> Reading | None:
         """The first reading from index `start` on that has counters (the engine loaded, a replica
@@ -212,7 +226,15 @@ class DashboardSampler:
         return {"source": self.source, "interval_s": self.config.interval_s, "window_s": self.config.window_s,
                 "percentile_window_s": self.config.percentile_window_s, "now": round(time.time(), 3),
                 "num_points": len(self._points), "series": series, "summary": self.summary(),
-                "health": [h._asdict() for h in latest.health] if latest else [], "notes": dict(self.notes)}
+                "health": [h._asdict() for h in latest.health] if latest else [], "notes": dict(self.notes),
+                "kv_tiers": self._tiers_json()}
+
+    def _tiers_json(self) -> dict | None:
+        """The tiers panel: None until something ready reports."""
+        if self._tiers is None:
+            return None
+        seconds, rows = self._tiers
+        return {"seconds": seconds, "tiers": [r._asdict() for r in rows]}
 
     def check_invariants(self) -> None:
         if len(self._points) != len(self._readings) or len(self._readings) > self.config.capacity:

@@ -19,6 +19,24 @@
     return v.toFixed(digits) + (unit ? " " + unit : "");
   }
 
+  function count(v) {
+    return v === null || v === undefined ? "–" : Math.round(v).toLocaleString("en-US");
+  }
+
+  function bytes(v) {
+    if (v === null || v === undefined) return "–";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+    return v.toFixed(i === 0 ? 0 : 1) + " " + units[i];
+  }
+
+  // A cumulative figure and its rate over the panel's window: "1,234 (5.0/s)".
+  function withRate(total, rate, show) {
+    if (total === null || total === undefined) return "–";
+    return show(total) + (rate === null || rate === undefined ? "" : ` (${show(rate)}/s)`);
+  }
+
   function niceMax(v) {
     if (!(v > 0)) return 1;
     const p = Math.pow(10, Math.floor(Math.log10(v)));
@@ -133,12 +151,45 @@
     }));
   }
 
+  const TIER_NAMES = { device: "device pool", host: "host (CPU)", disk: "disk" };
+
+  // The cells of one tier's row, in the table's column order; a tier that is off is one "off" cell.
+  function tierCells(t) {
+    if (!t.on) return [["off", "off", 9]];
+    const latency = t.load_latency_s === null && t.load_latency_total_s === null ? "–" :
+      `${fmt(t.load_latency_s, "s")} (all: ${fmt(t.load_latency_total_s, "s")})`;
+    return [[`${count(t.blocks_used)} / ${count(t.blocks_total)} (${fmt(t.occupancy, "%")})`],
+            [count(t.hit_tokens)], [fmt(t.hit_tokens_per_s, "tok/s")],
+            [withRate(t.blocks_out, t.blocks_out_per_s, count)], [withRate(t.blocks_in, t.blocks_in_per_s, count)],
+            [withRate(t.bytes_out, t.bytes_out_per_s, bytes)], [withRate(t.bytes_in, t.bytes_in_per_s, bytes)],
+            [latency], [count(t.blocks_lost)]];
+  }
+
+  function drawTiers(panel) {
+    $("#tiers-window").textContent = panel ? `(rates over the last ${Math.round(panel.seconds)} s)` : "";
+    const rows = panel ? panel.tiers : [];
+    $("#tiers tbody").replaceChildren(...rows.map((t) => {
+      const tr = document.createElement("tr");
+      tr.dataset.tier = t.tier;
+      tr.dataset.on = String(t.on);
+      for (const [text, cls, span] of [[TIER_NAMES[t.tier] || t.tier], ...tierCells(t)]) {
+        const td = document.createElement("td");
+        td.textContent = text;
+        if (cls) td.className = cls;
+        if (span) td.colSpan = span;
+        tr.append(td);
+      }
+      return tr;
+    }));
+  }
+
   function render(data) {
     updates += 1;
     $("#source").textContent = data.source === "gateway" ? "gateway" : "server";
     document.querySelectorAll("figure.chart").forEach((fig) => drawChart(fig, data));
     drawSummary(data);
     drawHealth(data.health);
+    drawTiers(data.kv_tiers);
     const status = $("#status");
     status.className = "";
     status.dataset.updates = String(updates);
