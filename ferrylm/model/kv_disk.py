@@ -9,7 +9,9 @@ a truncated, corrupt or foreign file is reported lost and never copied into the 
 Writes leave the step at once: the step gathers the evicted blocks' bytes from the device (one
 index_select per KV part) and a writer thread writes them (temp file, then rename, so a crash never
 leaves a half-written block under a real name). A read of a block still queued is served from the
-queue. A failed write (a full disk) is reported lost too. One server per directory (an flock)."""
+queue. A failed write (a full disk), or one the queue has no room for (a disk slower than the evictions:
+at most `max_queued_bytes` wait), is reported lost too. One server per directory (an flock); the
+directory and files are the server user's only (0700 / 0600: they hold tenants' prompts' K/V)."""
 
 from __future__ import annotations
 
@@ -72,11 +74,12 @@ class KVDiskStore:
     writes) and `host_parts` (written on reads), as kv_swap.HostKVSwap holds them."""
 
     def __init__(self, root: str | os.PathLike[str], fingerprint: bytes, device_parts: Sequence[torch.Tensor],
-                 host_parts: Sequence[torch.Tensor]):
+                 host_parts: Sequence[torch.Tensor], max_queued_bytes: int = 512 << 20):
         self.fingerprint = fingerprint
         self.dir = Path(root) / fingerprint.hex()
+        self.max_queued_bytes = max_queued_bytes
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._lock_file = open(self.dir / "LOCK", "a+b")  # noqa: SIM115 (held for the store's life)
         except OSError as e:
             raise ConfigError(f"--kv-offload-disk-path {root}: cannot use it ({e})") from None
@@ -90,6 +93,7 @@ class KVDiskStore:
         self.row_bytes = [p[0].numel() * p.element_size() for p in self.device_parts]
         self.block_bytes = sum(self.row_bytes)
         self._pending: dict[int, bytes] = {}  # hash → payload, queued for writing (reads are served from here)
+        self._queued_bytes = 0
         self._lock = threading.Lock()
         self._lost: list[int] = []  # writes that failed since the last take_lost
         self._queue: queue.SimpleQueue[tuple[str, int, int, bytes] | None] = queue.SimpleQueue()
@@ -126,6 +130,10 @@ class KVDiskStore:
         for i, (_, block_hash, owner) in enumerate(orders):
             payload = b"".join(r[i].tobytes() for r in rows)
             with self._lock:
+                if self._queued_bytes + len(payload) > self.max_queued_bytes:
+                    self._lost.append(block_hash)  # the disk lags: this block is not kept
+                    continue
+                self._queued_bytes += len(payload)
                 self._pending[block_hash] = payload
             self._queue.put(("write", block_hash, owner, payload))
 
@@ -193,6 +201,7 @@ class KVDiskStore:
                 continue
             ok = self._write_file(block_hash, owner, payload)
             with self._lock:
+                self._queued_bytes -= len(payload)
                 if self._pending.get(block_hash) is payload:
                     del self._pending[block_hash]
                 if not ok:
@@ -204,7 +213,7 @@ class KVDiskStore:
         final = self._path(block_hash, owner)
         tmp = final.with_name(final.name + ".tmp")
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, final)

@@ -235,3 +235,15 @@ def test_waiting_prefill_excludes_tier_hits(tiny, expected, tmp_path):
         llm.engine.step()
     assert llm.engine.stats().num_waiting_cached_tokens == 0
     llm.shutdown()
+
+
+def test_a_lagging_disk_drops_writes_instead_of_queueing_without_bound(tmp_path):
+    device = [torch.randn(8, 64)]  # 256 bytes a block
+    store = KVDiskStore(tmp_path, b"f" * 16, device, [torch.zeros(2, 64)], max_queued_bytes=256 * 3)
+    with store._lock:  # noqa: SLF001  (as if two blocks still waited for a slow disk)
+        store._queued_bytes = 256 * 2  # noqa: SLF001
+    store.write([(b, 100 + b, 7) for b in range(3)])
+    assert store.take_lost() == [101, 102]  # one more block fitted; the rest are reported lost
+    store.close()
+    assert oct(store.dir.stat().st_mode & 0o777) == "0o700"
+    assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in store.dir.glob("*.kv"))
