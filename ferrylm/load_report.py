@@ -8,6 +8,7 @@ is a ValueError at the poller, never a silent default that makes a busy replica 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -93,7 +94,7 @@ class LoadReport:
     @classmethod
     def empty(cls, *, healthy: bool = True) -> LoadReport:
         """No work and no capacity: what a group with no replica reporting looks like."""
-        counts: dict = {f.name: 0 for f in dataclasses.fields(cls) if f.type == "int"}
+        counts: dict = {f.name: 0 for f in dataclasses.fields(cls) if f.type in ("int", "float")}
         return cls(**counts, max_num_seqs=None, healthy=healthy)
 
     def to_json(self) -> dict:
@@ -121,7 +122,7 @@ class LoadReport:
         if not reports:
             raise ValueError("no load reports to combine")
         counts: dict = {f.name: sum(getattr(r, f.name) for r in reports)
-                        for f in dataclasses.fields(cls) if f.type == "int"}
+                        for f in dataclasses.fields(cls) if f.type in ("int", "float")}
         seqs = [r.max_num_seqs for r in reports]
         known = [s for s in seqs if s is not None]
         per_pos = [0] * max(len(r.spec_decode_num_accepted_tokens_per_pos) for r in reports)
@@ -141,6 +142,8 @@ def _has_type(value: object, annotation: str) -> bool:
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if annotation == "int":
         return is_int
+    if annotation == "float":
+        return is_int or (isinstance(value, float) and math.isfinite(value))
     if annotation == "int | None":
         return value is None or is_int
     if annotation == "list[int]":

@@ -121,7 +121,7 @@ def test_serve_dashboard_draws_live_charts(api_server, chromium, tmp_path):
     assert any(v for v in s["prefill_tokens_per_step"] if v) and any(v for v in s["prefix_cache_hit_rate"] if v)
     assert data["summary"]["itl_p50"] is not None and 0 < data["summary"]["ttft_p50"] < 60
     device, host, disk = data["kv_tiers"]["tiers"]
-    assert device["on"] and 0 < device["occupancy"] <= 1 and device["hit_tokens"] > 0, "turns 2, 3 hit the cache"
+    assert device["on"] and 0 <= device["occupancy"] <= 1 and device["hit_tokens"] > 0, "turns 2, 3 hit the cache"
     assert host["on"] is False and disk["on"] is False and host["occupancy"] is None, "no tier flags: off"
 
     dom = browse(chromium, api_server.url("/dashboard"), tmp_path, "--dump-dom")

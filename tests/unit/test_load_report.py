@@ -17,7 +17,8 @@ def report(**fields) -> LoadReport:
 BUSY = report(num_waiting=3, num_running=5, num_waiting_prompt_tokens=400, kv_blocks_used=30, kv_blocks_total=120,
               prefix_cache_queries=900, prefix_cache_hits=320, num_preemptions=2, prompt_tokens_total=5000,
               generation_tokens_total=700, num_waiting_output_tokens=96, num_running_output_tokens=80,
-              num_waiting_certain_output_tokens=16, num_running_certain_output_tokens=4, max_num_seqs=8)
+              num_waiting_certain_output_tokens=16, num_running_certain_output_tokens=4, max_num_seqs=8,
+              kv_offload_disk_read_seconds=0.25)
 
 
 def test_json_round_trip_carries_every_field_and_the_usage():
@@ -51,7 +52,10 @@ def test_from_json_refuses_a_renamed_field():
 
 
 @pytest.mark.parametrize("field, value", [("num_waiting", "3"), ("num_waiting", 3.0), ("num_running", True),
-                                          ("num_running", None), ("healthy", 1), ("max_num_seqs", "8")])
+                                          ("num_running", None), ("healthy", 1), ("max_num_seqs", "8"),
+                                          ("kv_offload_disk_read_seconds", "0.5"),
+                                          ("kv_offload_disk_read_seconds", float("nan")),
+                                          ("kv_offload_disk_read_seconds", False)])
 def test_from_json_refuses_a_wrong_type(field, value):
     with pytest.raises(ValueError, match=field):
         LoadReport.from_json(BUSY.to_json() | {field: value})
@@ -73,6 +77,7 @@ def test_combine_is_the_fleet_as_one_engine():
     assert fleet.kv_cache_usage == 0.5, "the fleet's blocks, not the mean of 0.25 and 0.875"
     assert fleet.tokens_total == 5730 and fleet.num_running_output_tokens == 85 and fleet.prefix_cache_hits == 320
     assert fleet.max_num_seqs == 12 and fleet.healthy, "healthy while any replica is"
+    assert LoadReport.combine([BUSY, BUSY]).kv_offload_disk_read_seconds == 0.5
     assert LoadReport.combine([BUSY, dataclasses.replace(other, max_num_seqs=None)]).max_num_seqs is None
     assert not LoadReport.combine([other]).healthy
     with pytest.raises(ValueError):
