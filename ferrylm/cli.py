@@ -49,10 +49,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def pooler_from_args(args: argparse.Namespace) -> dict:
     """ServerConfig's runner fields from --runner and --pooler-config (vLLM's JSON; pooling types in
-    its upper case or ours)."""
+    its upper case or ours); what the flag leaves unset comes from a sentence-transformers checkpoint's
+    modules.json when --runner pooling serves one, else LAST, normalized."""
     import json
+    from pathlib import Path
 
     from ferrylm.config import ConfigError
+    from ferrylm.model.loaders.st_pooling import sentence_transformers_pooling
 
     pooler: dict = {}
     if args.pooler_config:
@@ -66,9 +69,12 @@ def pooler_from_args(args: argparse.Namespace) -> dict:
         unknown = set(pooler) - {"pooling_type", "normalize"}
         if unknown:
             raise ConfigError(f"--pooler-config: {', '.join(sorted(unknown))} not supported (pooling_type, normalize)")
-    return {"runner": "pooling" if args.runner == "pooling" else "generate",
-            "pooling_type": str(pooler.get("pooling_type", "last")).lower(),
-            "pooling_normalize": bool(pooler.get("normalize", True))}
+    pooling = args.runner == "pooling"
+    checkpoint = sentence_transformers_pooling(args.model) if pooling and Path(args.model).is_dir() else None
+    default_type, default_normalize = checkpoint or ("last", True)
+    return {"runner": "pooling" if pooling else "generate",
+            "pooling_type": str(pooler.get("pooling_type", default_type)).lower(),
+            "pooling_normalize": bool(pooler.get("normalize", default_normalize))}
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

@@ -124,3 +124,36 @@ def test_through_the_gateway_counted_and_billed(pooling, tmp_path) -> None:
         assert row == ("embedder", via.usage.prompt_tokens, 0)
     finally:
         gateway.stop()
+
+
+def test_a_sentence_transformers_checkpoint_pools_as_its_modules_say(tmp_path) -> None:
+    """A tiny random model with a sentence-transformers layout (mean pooling, then Normalize) served with
+    no --pooler-config: each vector is transformers' mean hidden state, L2-normalised."""
+    import json
+
+    import transformers
+
+    from tests.model.tiny_models import add_word_tokenizer, make_tiny_model
+
+    model = add_word_tokenizer(make_tiny_model("llama", tmp_path / "st"))
+    (model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False,
+         "pooling_mode_lasttoken": False, "pooling_mode_max_tokens": False, "include_prompt": True}))
+    inputs = [[1, 20, 21, 22, 23], [1, 7, 8, 9, 10, 11, 12, 13, 14]]
+    server = ServerProcess("--model", str(model), "--served-model-name", "st", "--dtype", "float32",
+                           "--runner", "pooling")
+    try:
+        server.wait_ready()
+        got = server.client().embeddings.create(model="st", input=inputs, encoding_format="float")
+    finally:
+        assert server.stop() == 0, server.log_tail()
+    hf = transformers.AutoModel.from_pretrained(model, dtype=torch.float32)
+    for ids, item in zip(inputs, got.data):
+        with torch.no_grad():
+            want = torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0].mean(dim=0), dim=0)
+        assert torch.allclose(torch.tensor(item.embedding), want, atol=1e-4)
