@@ -47,6 +47,11 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool = True
     param: str = "structured_outputs"
+    # Under a reasoning parser: the constraint starts after the output's thinking closes with these
+    # tokens (`</think>`'s), and `reasoning_start` (`<think>`, one token) may open it at the first
+    # position instead of the answer (model/structured/reasoning_gate.py). Empty: from the first token.
+    reasoning_end: tuple[int, ...] = ()
+    reasoning_start: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):

@@ -38,6 +38,7 @@ from ferrylm.model.pooling import pool, pooling_rows
 from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, token_logprobs
 from ferrylm.model.spec import draft_setup
 from ferrylm.model.spec.spec_step import Speculator, build_batch, split_rows
+from ferrylm.model.structured.reasoning_gate import ReasoningGate
 from ferrylm.model.structured.structured_output import apply_grammar_masks, new_matcher
 from ferrylm.scheduler_output import SchedulerOutput
 
@@ -395,6 +396,9 @@ class ModelRunner:
             grammar = None
             if new.grammar is not None and self.samples:
                 grammar = new_matcher(self._compiled_grammar(new.grammar))
+                constraint = new.sampling_params.structured_outputs
+                if constraint is not None and constraint.reasoning_end:  # the answer only, not the thinking
+                    grammar = ReasoningGate(grammar, constraint.reasoning_end, constraint.reasoning_start)
             self.states[new.request_id] = SamplingRequestState(new.sampling_params, new.prompt_token_ids,
                                                                 grammar=grammar)
         if self.lora is not None:

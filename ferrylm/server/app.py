@@ -71,7 +71,7 @@ from ferrylm.server.embeddings import embeddings_shaper
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
-from ferrylm.server.reasoning import parser_for
+from ferrylm.server.reasoning import answer_only, parser_for
 from ferrylm.server.request_end import RequestEnd
 from ferrylm.server.request_trace import RequestTrace
 from ferrylm.server.serving import ResponseContext
@@ -180,6 +180,10 @@ async def _chat_inputs(request: Request, engine: EngineClient, req: ChatCompleti
     the context window (`what` names the field the prompt came from) and the output constraint."""
     core = engine.model_info
     params, tool_plan = inputs.chat_params(req, core.vocab_size)
+    config = request.app.state.ferry.config
+    parser = parser_for(config.reasoning_parser)
+    if params.structured_outputs is not None and parser is not None and not config.constrain_reasoning:
+        params.structured_outputs = answer_only(params.structured_outputs, parser, core.tokenizer)
     prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
     inputs.check_fits(prompt, params.max_tokens, core.max_model_len, what)
     if params.structured_outputs is not None:

@@ -17,6 +17,25 @@ from ferrylm.observability.tracing import TracingConfig
 from ferrylm.server.reasoning import REASONING_PARSERS
 
 
+def parse_structured_outputs_config(text: str) -> str:
+    """--structured-outputs-config: a JSON object whose only key is enable_in_reasoning (a boolean);
+    anything else is refused, naming it, rather than ignored."""
+    import json
+
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ConfigError('--structured-outputs-config must be a JSON object, e.g. \'{"enable_in_reasoning": true}\'')
+    unknown = sorted(set(parsed) - {"enable_in_reasoning"})
+    if unknown:
+        raise ConfigError(f"--structured-outputs-config: {', '.join(unknown)} not supported (enable_in_reasoning)")
+    if not isinstance(parsed.get("enable_in_reasoning", False), bool):
+        raise ConfigError("--structured-outputs-config: enable_in_reasoning must be true or false")
+    return json.dumps(parsed, sort_keys=True)
+
+
 def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
     """--lora-modules: NAME=PATH or vLLM's JSON object {"name": ..., "path": ...} each."""
     import json
@@ -86,6 +105,10 @@ class ServerConfig:
     reasoning_parser: str | None = option(  # vLLM's flag; the parsers are in server/reasoning.py
         None, "split a reasoning model's <think>...</think> from its answer: chat's message.reasoning (and "
               "reasoning_content), Responses' reasoning item, Messages' thinking block", choices=REASONING_PARSERS)
+    structured_outputs_config: str | None = option(  # vLLM's flag, with the one key we honour
+        None, 'JSON; {"enable_in_reasoning": true} applies a structured-output constraint (or a forced tool call) '
+              "to a reasoning model's thinking too (default: to the answer only, after </think>)",
+        parse=lambda text: parse_structured_outputs_config(text), metavar="JSON")
     runner: str = "generate"  # --runner (vLLM's): generate, or pooling (POST /v1/embeddings only)
     pooling_type: str = "last"  # --pooler-config's pooling_type: last | mean | cls
     pooling_normalize: bool = True  # --pooler-config's normalize: L2-normalise the vectors
@@ -110,6 +133,8 @@ class ServerConfig:
                               f"{', '.join(REASONING_PARSERS)}")
         if self.runner not in ("generate", "pooling"):
             raise ConfigError(f"--runner must be generate or pooling, not {self.runner!r}")
+        if self.structured_outputs_config is not None:
+            parse_structured_outputs_config(self.structured_outputs_config)
         if self.pooling_type not in ("last", "mean", "cls"):
             raise ConfigError(f"--pooler-config pooling_type must be last, mean or cls, not {self.pooling_type!r}")
         if self.kv_role not in (None, "prefill", "decode", "both"):
@@ -140,6 +165,14 @@ class ServerConfig:
     def model_name(self) -> str:
         """The name responses and metrics report (the first served name, as vLLM does)."""
         return self.served_model_names[0]
+
+    @property
+    def constrain_reasoning(self) -> bool:
+        """--structured-outputs-config's enable_in_reasoning: constraints apply to the thinking too."""
+        import json
+
+        return bool(self.structured_outputs_config and json.loads(self.structured_outputs_config).get(
+            "enable_in_reasoning"))
 
 
 def server_flags() -> Iterator[ConfigFlag]:

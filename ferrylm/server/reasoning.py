@@ -1,7 +1,9 @@
 """--reasoning-parser (vLLM's flag): the thinking a reasoning model writes between `<think>` and
 `</think>` is split from its answer. Chat returns it as `message.reasoning` (and `reasoning_content`,
 the older name), streamed as deltas of the same fields; Responses as a `reasoning` item; Messages
-as a `thinking` block. Tool calls are parsed from the answer only.
+as a `thinking` block. Tool calls are parsed from the answer only, and a structured-output constraint
+or forced tool call applies to the answer only (`answer_only`; --structured-outputs-config
+'{"enable_in_reasoning": true}' applies it from the first token, thinking included).
 
 Parsers: `deepseek_r1` (R1 and its distills: their chat template opens the thinking, so the output
 may start inside it: everything before `</think>` is thinking, all of it while `</think>` has not
@@ -10,7 +12,13 @@ output that opened one is all thinking)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ferrylm.sampling_params import StructuredOutputsParams
+    from ferrylm.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
@@ -35,6 +43,21 @@ class ReasoningParser:
         if cut < 0:
             return body, None
         return body[:cut], body[cut + len(self.end):] or None
+
+
+def answer_only(constraint: StructuredOutputsParams, parser: ReasoningParser,
+                tokenizer: Tokenizer) -> StructuredOutputsParams:
+    """`constraint` applied to the answer only (vLLM's default): from after `</think>`'s tokens, and,
+    for qwen3, `<think>` allowed as the first token when it is one token (else the constraint applies
+    from the first token: such a tokenizer cannot tell the opening tag from an answer beginning with it)."""
+    end = tuple(tokenizer.encode(parser.end, add_special_tokens=False))
+    start: int | None = None
+    if not parser.opens_implicitly:
+        start_ids = tokenizer.encode(parser.start, add_special_tokens=False)
+        if len(start_ids) != 1:
+            return constraint
+        start = start_ids[0]
+    return dataclasses.replace(constraint, reasoning_end=end, reasoning_start=start)
 
 
 def parser_for(name: str | None) -> ReasoningParser | None:

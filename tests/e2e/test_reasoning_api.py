@@ -21,7 +21,10 @@ FORCED = {"structured_outputs": {"regex": THINK}, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--dtype", "float32", "--reasoning-parser", "deepseek_r1")
+    # the regex forces the thinking too: SmolLM2 does not close a thinking by itself (by default a
+    # constraint starts after </think>, tests/e2e/test_reasoning_constraint.py)
+    s = ServerProcess("--dtype", "float32", "--reasoning-parser", "deepseek_r1", "--structured-outputs-config",
+                      '{"enable_in_reasoning": true}')
     s.wait_ready()
     yield s
     assert s.stop() == 0, s.log_tail()

@@ -59,6 +59,7 @@ CHANGED = {
     "heartbeat_timeout": (["9"], 9.0), "log_level": (["debug"], "debug"), "kv_role": (["both"], "both"),
     "max_kv_transfer_bytes": (["4096"], 4096), "kv_transfer_key": (["t" * 20], "t" * 20),
     "reasoning_parser": (["qwen3"], "qwen3"),
+    "structured_outputs_config": (['{"enable_in_reasoning": true}'], '{"enable_in_reasoning": true}'),
     "lora_modules": (["a=/x", '{"name": "b", "path": "/y"}'], (("a", "/x"), ("b", "/y"))),
     "lora_admin_key": (["l" * 20], "l" * 20),
 }
