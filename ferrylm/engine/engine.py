@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
@@ -25,6 +26,8 @@ from ferrylm.request_limits import check_prompt_ids, check_token_ids, resolve_ma
 from ferrylm.sampling_params import SamplingParams, SamplingParamsError
 from ferrylm.scheduler_output import SchedulerOutput
 from ferrylm.tokenizer import Tokenizer
+
+log = logging.getLogger("ferrylm.engine")
 
 
 def _output_left(request: Request) -> int:
@@ -134,9 +137,13 @@ class Engine:
         if self.grammars is not None:
             self.grammars.shutdown()
         flush = self.block_manager.flush_to_disk()
-        if flush:
-            self.executor.execute(SchedulerOutput([], [], [], 0, disk=flush))
-        self.executor.shutdown()
+        try:
+            if flush and self.executor.dead() is None:
+                self.executor.execute(SchedulerOutput([], [], [], 0, disk=flush))
+        except Exception:  # noqa: BLE001  (a failed flush loses a cache, never the shutdown)
+            log.warning("could not write the KV pool's cached blocks to the disk tier at shutdown", exc_info=True)
+        finally:
+            self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------------------
     def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
