@@ -56,7 +56,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # an expert every token goes through besides its routed ones
     nope_layers: tuple[int, ...] = ()  # layers without RoPE (Llama 4)
     qk_l2_norm: bool = False  # Llama 4: q and k RMS-normalised (no weight) after RoPE, on RoPE layers
-    prequantized: str | None = None  # "awq" | "gptq": the checkpoint's Linears are int4 (quantization_config)
+    prequantized: str | None = None  # PREQUANTIZED_METHODS: the checkpoint's Linears are int4 (quantization_config)
     local_experts: tuple[int, ...] | None = None  # expert parallelism: the experts this rank holds; None: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -179,13 +179,15 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
+PREQUANTIZED_METHODS = ("awq", "gptq", "compressed-tensors")  # a checkpoint's own int4 format (quantization_config)
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "gguf", "fp8",
-                        "awq", "gptq")
+                        *PREQUANTIZED_METHODS)
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """A parsed --quantization value. method: "none" | "int8" | "int4" | "gguf" | "fp8" | "awq" | "gptq"; group_size
+    """A parsed --quantization value. method: "none" | "int8" | "int4" | "gguf" | "fp8" | "awq" | "gptq" |
+    "compressed-tensors"; group_size
     for int4 (inputs per scale and min; plain "int4" means 32, llama.cpp's Q4 block)."""
 
     method: str
@@ -299,8 +301,9 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     quantization: str | None = option(
         None, "weights kept quantized at run time: int8 / int4[-gN] (quantized at load), gguf (a GGUF file's "
-              "blocks kept packed), fp8 (CUDA), awq / gptq (a pre-quantized checkpoint), none; default: GGUF "
-              "packed on CPU, a checkpoint's quantization_config, else none", choices=QUANTIZATION_CHOICES)
+              "blocks kept packed), fp8 (CUDA), awq / gptq / compressed-tensors (a pre-quantized checkpoint), none; "
+              "default: GGUF packed on CPU, a checkpoint's quantization_config, else none",
+        choices=QUANTIZATION_CHOICES)
     enforce_eager: bool = option(False, "run every step eagerly: no compiled decode step (CPU; compiled at "
                                         "start-up, cached under $FERRYLM_CACHE_DIR) and no CUDA graphs")
     speculative: SpeculativeConfig | None = option(

@@ -1,5 +1,6 @@
-"""AWQ and GPTQ int4 checkpoints written here with the formats' documented packing from random codes,
-zeros and fp16 scales (no hub download), loaded as they are: the codes in memory are the file's,
+"""AWQ, GPTQ and compressed-tensors (W4A16 pack-quantized) int4 checkpoints written here with the
+formats' documented packing (compressed-tensors' own packer) from random codes, zeros and fp16 scales
+(no hub download), loaded as they are: the codes in memory are the file's,
 the packed kernel equals a dequantize-then-matmul twin (the same random model saved in float32),
 and greedy output equals the twin's. GPTQ act-order (a shuffled g_idx) and the v2 zero convention
 included; what FerryLM cannot honour is a clear error naming the field."""
@@ -50,10 +51,18 @@ def _pack_gptq_cols(z: torch.Tensor) -> torch.Tensor:
     return _words(z.reshape(r, n // 8, 8))
 
 
-def _quantized_pair(tmp_path, method: str, act_order: str = "", v2: bool = False):
+def _compressed_tensors_config(symmetric: bool, act_order: bool) -> dict:
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": GROUP,
+               "dynamic": False, "actorder": "group" if act_order else None, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}}}
+
+
+def _quantized_pair(tmp_path, method: str, act_order: str = "", v2: bool = False, asym: bool = False):
     """(quantized dir, float twin dir, {module: codes [N, K] in file input order}). `act_order`:
     "shared" (modules reading the same input share one order, as GPTQ's Hessian gives q/k/v) or
-    "own" (each module its own)."""
+    "own" (each module its own). `asym`: compressed-tensors with zero points."""
     twin = make_tiny_model("qwen2", tmp_path / "twin")  # qwen2: q/k/v biases stay float beside int4 weights
     state = safetensors_torch.load_file(str(twin / "model.safetensors"))
     gen = torch.Generator().manual_seed(3)
@@ -66,7 +75,8 @@ def _quantized_pair(tmp_path, method: str, act_order: str = "", v2: bool = False
         n, k = state[name].shape
         groups = k // GROUP
         q = torch.randint(0, 16, (k, n), generator=gen)
-        z = torch.randint(0, 16, (groups, n), generator=gen) if method == "awq" else torch.full((groups, n), 8)
+        z = torch.randint(0, 16, (groups, n), generator=gen) if method == "awq" or asym else \
+            torch.full((groups, n), 8)
         s = (torch.rand(groups, n, generator=gen) * 0.04 + 0.01).half()
         g_idx = torch.arange(k) // GROUP
         if act_order:  # GPTQ desc_act: inputs quantized in a shuffled order, groups follow that order
@@ -77,6 +87,15 @@ def _quantized_pair(tmp_path, method: str, act_order: str = "", v2: bool = False
         codes[module] = q.t().to(torch.uint8)
         if method == "awq":
             quantized |= {f"{module}.qweight": _pack_awq(q), f"{module}.qzeros": _pack_awq(z), f"{module}.scales": s}
+        elif method == "compressed-tensors":  # signed codes and zeros, packed by the library that writes them
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+            quantized |= {f"{module}.weight_packed": pack_to_int32((q.t() - 8).to(torch.int8), 4, packed_dim=1),
+                          f"{module}.weight_scale": s.t().contiguous(), f"{module}.weight_shape": torch.tensor([n, k])}
+            if asym:
+                quantized[f"{module}.weight_zero_point"] = pack_to_int32((z.t() - 8).to(torch.int8), 4, packed_dim=0)
+            if act_order:
+                quantized[f"{module}.weight_g_idx"] = g_idx.to(torch.int32)
         else:
             stored = z if v2 else z - 1
             quantized |= {f"{module}.qweight": _pack_gptq_rows(q), f"{module}.qzeros": _pack_gptq_cols(stored),
@@ -88,7 +107,8 @@ def _quantized_pair(tmp_path, method: str, act_order: str = "", v2: bool = False
     config = json.loads((twin / "config.json").read_text())
     config["quantization_config"] = (
         {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
-        if method == "awq" else
+        if method == "awq" else _compressed_tensors_config(not asym, bool(act_order))
+        if method == "compressed-tensors" else
         {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": bool(act_order), "sym": True,
          "checkpoint_format": "gptq_v2" if v2 else "gptq"})
     (qdir / "config.json").write_text(json.dumps(config))
@@ -110,11 +130,16 @@ def _logits(model, prompt):
         return model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(8))], 16), caches))
 
 
-@pytest.mark.parametrize("method,act_order,v2", [("awq", "", False), ("gptq", "", False), ("gptq", "own", False),
-                                                 ("gptq", "shared", False), ("gptq", "", True)],
-                         ids=["awq", "gptq", "gptq-act-order", "gptq-act-order-shared", "gptq-v2"])
-def test_codes_are_the_files_and_logits_equal_the_twin(tmp_path, method, act_order, v2):
-    qdir, twin, codes = _quantized_pair(tmp_path, method, act_order, v2)
+@pytest.mark.parametrize("method,act_order,v2,asym", [
+    ("awq", "", False, False), ("gptq", "", False, False), ("gptq", "own", False, False),
+    ("gptq", "shared", False, False), ("gptq", "", True, False), ("compressed-tensors", "", False, False),
+    ("compressed-tensors", "", False, True), ("compressed-tensors", "own", False, True)],
+    ids=["awq", "gptq", "gptq-act-order", "gptq-act-order-shared", "gptq-v2", "ct-symmetric", "ct-asymmetric",
+         "ct-act-order"])
+def test_codes_are_the_files_and_logits_equal_the_twin(tmp_path, method, act_order, v2, asym):
+    if method == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+    qdir, twin, codes = _quantized_pair(tmp_path, method, act_order, v2, asym)
     model = _load(qdir)
     assert model.config.prequantized == method
     qkv = model.layers[1].self_attn.qkv_proj
@@ -159,3 +184,26 @@ def test_what_cannot_be_honoured_is_an_error_naming_the_field(tmp_path):
         _load(qdir, quantization=QuantConfig.parse("int8"))
     with pytest.raises(ConfigError, match="--quantization gptq serves a checkpoint quantized with gptq"):
         _load(make_tiny_model("llama", tmp_path / "plain"), quantization=QuantConfig.parse("gptq"))
+
+
+def test_compressed_tensors_schemes_other_than_w4a16_are_errors_naming_the_field(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    qdir, _, _ = _quantized_pair(tmp_path, "compressed-tensors")
+    config_path = qdir / "config.json"
+    good = json.loads(config_path.read_text())
+    qc = good["quantization_config"]
+    scheme = qc["config_groups"]["group_0"]
+    weights = scheme["weights"]
+    for changed, message in [
+            (qc | {"format": "float-quantized"}, "format 'float-quantized'"),
+            (qc | {"config_groups": {"group_0": scheme | {"input_activations": {"num_bits": 8}}}},
+             "input_activations is not supported"),
+            (qc | {"config_groups": {"group_0": scheme | {"weights": weights | {"num_bits": 8}}}}, "num_bits 8"),
+            (qc | {"config_groups": {"group_0": scheme | {"weights": weights | {"strategy": "tensor"}}}},
+             "strategy 'tensor'"),
+            (qc | {"config_groups": {"group_0": scheme | {"weights": weights | {"actorder": "weight"}}}},
+             "actorder 'weight'"),
+            (qc | {"config_groups": {"group_0": scheme, "group_1": scheme}}, "one scheme")]:
+        config_path.write_text(json.dumps(good | {"quantization_config": changed}))
+        with pytest.raises(ModelLoadError, match=message):
+            Checkpoint(resolve_model(str(qdir)))

@@ -1,6 +1,6 @@
-"""Pre-quantized int4 safetensors (AWQ "gemm", GPTQ incl. act-order): `quantization_config` read and
-checked, each Linear's qweight / qzeros / scales (/ g_idx) unpacked into integer codes, per-group
-scales and zero points, losslessly.
+"""Pre-quantized int4 safetensors (AWQ "gemm", GPTQ incl. act-order, compressed-tensors W4A16
+"pack-quantized"): `quantization_config` read and checked, each Linear's packed codes, zeros and
+scales (and g_idx) unpacked into integer codes, per-group scales and zero points, losslessly.
 
 Both formats mean w = (q - z) * s per group of `group_size` inputs; the packed CPU kernel computes
 w = scale * q + min, so scale = s and min = -s * z (an exact float32 product of the fp16 scale and
@@ -11,6 +11,10 @@ vLLM's awq_dequantize / gptq kernels read them the same way):
   GPTQ: qweight [K/8, N] int32, nibble p of word row j is input 8j + p; qzeros [K/g, N/8], nibble p is
         column 8j + p, stored as z - 1 ("gptq" format; "gptq_v2" stores z); scales [K/g, N];
         g_idx [K]: the group of each input (act-order / desc_act shuffles it).
+  compressed-tensors (llm-compressor's W4A16, vLLM's CompressedTensorsWNA16): weight_packed [N, K/8]
+        int32, nibble p of word j is input 8j + p, holding the signed code + 8; weight_scale [N, K/g];
+        symmetric: zero 8; asymmetric: weight_zero_point [N/8, K/g] int32 packed along outputs (nibble p
+        of word row j is output 8j + p, the signed zero + 8); weight_g_idx [K] with actorder "group".
 """
 
 from __future__ import annotations
@@ -23,16 +27,20 @@ import torch
 from ferrylm.model.loaders.model_source import ModelLoadError
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p holds column ORDER[p] of its 8
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+          "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")}
+_REQUIRED = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales"),
+             "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape")}
 
 
 @dataclass(frozen=True)
 class Int4Format:
     """What a checkpoint's quantization_config says, once checked."""
 
-    method: str  # "awq" | "gptq"
+    method: str  # "awq" | "gptq" | "compressed-tensors"
     group_size: int  # -1: one group over all inputs
     zero_offset: int  # added to a stored zero (GPTQ v1: 1)
+    symmetric: bool = False  # compressed-tensors: no zero points stored (the zero is 8)
 
 
 def read_quantization_config(cfg: dict, origin: str) -> Int4Format | None:
@@ -42,9 +50,11 @@ def read_quantization_config(cfg: dict, origin: str) -> Int4Format | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(qc, origin)
     if method not in ("awq", "gptq"):
         raise ModelLoadError(f"{origin}: quantization_config.quant_method {qc.get('quant_method')!r} is not "
-                             "supported (supported: awq, gptq)")
+                             "supported (supported: awq, gptq, compressed-tensors)")
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ModelLoadError(f"{origin}: quantization_config.bits {bits!r} is not supported (4-bit only)")
@@ -65,6 +75,43 @@ def read_quantization_config(cfg: dict, origin: str) -> Int4Format | None:
         raise ModelLoadError(f"{origin}: quantization_config.checkpoint_format {qc.get('checkpoint_format')!r} "
                              "is not supported (gptq, gptq_v2)")
     return Int4Format("gptq", group, 1 if fmt == "gptq" else 0)
+
+
+def _compressed_tensors_format(qc: dict, origin: str) -> Int4Format:
+    """compressed-tensors' W4A16 (one scheme over every Linear, weights int4 packed, activations left
+    float); any other scheme is a ModelLoadError naming the field."""
+    where = f"{origin}: quantization_config"
+    if qc.get("format") != "pack-quantized":
+        raise ModelLoadError(f"{where}.format {qc.get('format')!r} is not supported (pack-quantized: W4A16)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise ModelLoadError(f"{where}.config_groups: one scheme is supported, found "
+                             f"{len(groups) if isinstance(groups, dict) else groups!r}")
+    (name, scheme), = groups.items()
+    where = f"{where}.config_groups.{name}"
+    if not isinstance(scheme, dict) or scheme.get("targets") != ["Linear"]:
+        raise ModelLoadError(f"{where}.targets must be [\"Linear\"]")
+    for field in ("input_activations", "output_activations"):
+        if scheme.get(field) is not None:
+            raise ModelLoadError(f"{where}.{field} is not supported (weight-only W4A16)")
+    weights = scheme.get("weights")
+    if not isinstance(weights, dict):
+        raise ModelLoadError(f"{where}.weights is missing")
+    for field, want in (("num_bits", 4), ("type", "int"), ("dynamic", False)):
+        if weights.get(field, want) != want:
+            raise ModelLoadError(f"{where}.weights.{field} {weights.get(field)!r} is not supported ({want!r})")
+    strategy = weights.get("strategy")
+    if strategy == "channel":
+        group = -1
+    elif strategy == "group":
+        group = weights.get("group_size")
+        if not isinstance(group, int) or group <= 0 or group % 32:
+            raise ModelLoadError(f"{where}.weights.group_size {group!r} is not supported (a multiple of 32)")
+    else:
+        raise ModelLoadError(f"{where}.weights.strategy {strategy!r} is not supported (group, channel)")
+    if weights.get("actorder") not in (None, "group"):
+        raise ModelLoadError(f"{where}.weights.actorder {weights.get('actorder')!r} is not supported (null, group)")
+    return Int4Format("compressed-tensors", group, 0, symmetric=weights.get("symmetric", True) is not False)
 
 
 @dataclass
@@ -102,6 +149,8 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
 
 def unpack(fmt: Int4Format, parts: dict[str, torch.Tensor], name: str) -> Int4Tensor:
     """One module's tensors → Int4Tensor (codes as the file's, scales fp32, mins -s*z)."""
+    if fmt.method == "compressed-tensors":
+        return _unpack_compressed_tensors(fmt, parts, name)
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"].float()
     if fmt.method == "awq":
         k = qweight.shape[0]
@@ -117,8 +166,36 @@ def unpack(fmt: Int4Format, parts: dict[str, torch.Tensor], name: str) -> Int4Te
     if scales.shape != (k // group, n) or z.shape != scales.shape or k % group:
         raise ModelLoadError(f"{name}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
                              f"{tuple(parts['scales'].shape)} do not fit {fmt.method} with group_size {group}")
+    return _grouped(q, z, scales, group, parts.get("g_idx"), name)
+
+
+def _unpack_compressed_tensors(fmt: Int4Format, parts: dict[str, torch.Tensor], name: str) -> Int4Tensor:
+    shape = parts["weight_shape"].tolist()
+    packed, scales = parts["weight_packed"], parts["weight_scale"].float()
+    if len(shape) != 2 or shape[1] % 8 or tuple(packed.shape) != (shape[0], shape[1] // 8):
+        raise ModelLoadError(f"{name}: weight_packed {tuple(packed.shape)} does not hold weight_shape {shape}")
+    n, k = shape
+    q = _nibbles(packed).reshape(n, k).t()  # [K, N]
+    group = k if fmt.group_size == -1 else fmt.group_size
+    if k % group or tuple(scales.shape) != (n, k // group):
+        raise ModelLoadError(f"{name}: weight_scale {tuple(scales.shape)} does not fit group_size {group} of "
+                             f"weight_shape {shape}")
+    if fmt.symmetric:
+        z = torch.full((k // group, n), 8, dtype=torch.int32)
+    else:
+        zp = parts.get("weight_zero_point")
+        if zp is None or tuple(zp.shape) != (-(-n // 8), k // group):
+            raise ModelLoadError(f"{name}: an asymmetric scheme needs weight_zero_point [{-(-n // 8)}, {k // group}], "
+                                 f"found {None if zp is None else tuple(zp.shape)}")
+        z = _nibbles(zp).permute(1, 0, 2).reshape(k // group, -1)[:, :n]  # [G, N]: nibble p of row j: output 8j + p
+    return _grouped(q, z, scales.t(), group, parts.get("weight_g_idx"), name)
+
+
+def _grouped(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group: int, g_idx: torch.Tensor | None,
+             name: str) -> Int4Tensor:
+    """q [K, N] codes, z and scales [K/group, N], `g_idx` [K] (None: inputs in order) → Int4Tensor."""
+    k = q.shape[0]
     perm = None
-    g_idx = parts.get("g_idx")
     if g_idx is not None:
         g_idx = g_idx.long()
         if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= k // group or \
@@ -137,12 +214,12 @@ def assemble_int4(weights: Iterator[tuple[str, torch.Tensor]], fmt: Int4Format) 
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, part = name.rpartition(".")
-        if part in _PARTS:
+        if part in _PARTS[fmt.method]:
             pending.setdefault(module, {})[part] = tensor
         else:
             yield name, tensor
     for module, parts in pending.items():
-        missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
+        missing = [p for p in _REQUIRED[fmt.method] if p not in parts]
         if missing:
             raise ModelLoadError(f"{module}: {fmt.method} checkpoint lacks {', '.join(missing)}")
         yield f"{module}.weight", unpack(fmt, parts, module)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ferrylm.config import ConfigError, QuantConfig
+from ferrylm.config import PREQUANTIZED_METHODS, ConfigError, QuantConfig
 from ferrylm.model.quant.base import QuantMethod, StoredWeightMethod, UnquantizedMethod
 
 
@@ -14,7 +14,7 @@ def select_quant_method(quant: QuantConfig | None, checkpoint_kind: str, device:
     """The method for --quantization `quant` (None: the default) on a checkpoint of `checkpoint_kind`
     ("gguf" | "hf" | ...). Raises ConfigError, naming the flag, for what cannot run here.
 
-    `prequantized`: the checkpoint's own int4 format ("awq" | "gptq"), kept as the file's codes.
+    `prequantized`: the checkpoint's own int4 format (awq | gptq | compressed-tensors), kept as the file's codes.
     Default: a GGUF file keeps its blocks packed where FerryLM has a packed kernel (the CPU, when the
     C++ extension builds); everything else loads unquantized, as vLLM does for safetensors.
     `int8_activations`: fp32 activations of a decode row take the int8-activation GEMV as bf16 ones
@@ -33,7 +33,7 @@ def select_quant_method(quant: QuantConfig | None, checkpoint_kind: str, device:
         from ferrylm.model.quant.prequantized import PrequantizedInt4
 
         return PrequantizedInt4(prequantized, kernels, dtype)
-    if quant is not None and quant.method in ("awq", "gptq"):
+    if quant is not None and quant.method in PREQUANTIZED_METHODS:
         raise ConfigError(f"--quantization {quant.method} serves a checkpoint quantized with {quant.method} "
                           "(quantization_config.quant_method); this one is not")
     if quant is None:
