@@ -70,7 +70,10 @@ def pooler_from_args(args: argparse.Namespace) -> dict:
         if unknown:
             raise ConfigError(f"--pooler-config: {', '.join(sorted(unknown))} not supported (pooling_type, normalize)")
     pooling = args.runner == "pooling"
-    checkpoint = sentence_transformers_pooling(args.model) if pooling and Path(args.model).is_dir() else None
+    # a pooling_type given on the command line overrides the checkpoint's, even one it cannot run itself
+    model_dir = Path(args.model).expanduser()
+    reads_checkpoint = pooling and model_dir.is_dir() and "pooling_type" not in pooler
+    checkpoint = sentence_transformers_pooling(model_dir) if reads_checkpoint else None
     default_type, default_normalize = checkpoint or ("last", True)
     return {"runner": "pooling" if pooling else "generate",
             "pooling_type": str(pooler.get("pooling_type", default_type)).lower(),

@@ -41,6 +41,7 @@ class DiskOrders(NamedTuple):
     writes: tuple[tuple[int, int, int], ...] = ()  # (device block id, block hash, owner)
     reads: tuple[tuple[int, int, int], ...] = ()  # (block hash, owner, host block id)
     deletes: tuple[tuple[int, int], ...] = ()  # (block hash, owner)
+    flush: bool = False  # the shutdown's flush: writes wait for room in the write queue instead of being dropped
 
     def __bool__(self) -> bool:
         return bool(self.writes or self.reads or self.deletes)

@@ -214,16 +214,17 @@ class BlockManager:
         disk = self.disk_continuation(token_ids, device, tier, root)
         return (len(device) + len(tier) + len(disk)) * self.block_size
 
-    def load_from_disk(self, keys: list[BlockKey], owner: int) -> int:
+    def load_from_disk(self, keys: list[BlockKey], owner: int, tier_keys: list[BlockKey] | None = None) -> int:
         """Order the disk tier's files of `keys` read into host blocks this step (findable in the host
-        tier from the next step, once the runner has checked them); how many were ordered (host blocks
-        may run out)."""
+        tier from the next step, once the runner has checked them), never evicting the same request's
+        host hits `tier_keys` to make room; how many were ordered (host blocks may run out)."""
         if self.disk is None or self.tier is None:
             return 0
         ordered = 0
+        protected = set(tier_keys or ())
         for key in keys:
             block_hash = hash_block_tokens(*key)
-            host = self.tier.reserve(key, owner)
+            host = self.tier.reserve(key, owner, protected)
             if host is None:
                 break
             file_owner = self.disk.read(block_hash)
@@ -350,13 +351,17 @@ class BlockManager:
         return out, into
 
     def flush_to_disk(self) -> DiskOrders:
-        """Orders writing every cached device block the disk tier lacks (at shutdown: a restart of the
-        same model finds them), with this step's other disk orders."""
+        """Orders writing the cached device blocks the disk tier lacks (at shutdown: a restart of the
+        same model finds them), most recently used first (blocks requests hold, then the free queue
+        from its newest end), at most the tier's capacity, with this step's other disk orders."""
         if self.disk is None:
             return DiskOrders()
-        for key, block_id in self.pool.cached.items():
-            self.disk.store(block_id, hash_block_tokens(*key), self.pool.blocks[block_id].owner)
-        return self.take_disk_orders()
+        held = [b.block_id for b in self.pool.blocks if b.key is not None and b.ref_cnt > 0]
+        free = [b for b in reversed(self.pool.free_queue) if self.pool.blocks[b].key is not None]
+        for block_id in (held + free)[:self.disk.capacity]:
+            block = self.pool.blocks[block_id]
+            self.disk.store(block_id, hash_block_tokens(*block.key), block.owner)  # type: ignore[misc]
+        return self.take_disk_orders()._replace(flush=True)
 
     def take_disk_orders(self) -> DiskOrders:
         """This step's disk-tier file work, handed to the runner once (reads stay pending until settle_disk)."""
@@ -418,3 +423,7 @@ class BlockManager:
         for key, block_id in self.pool.cached.items():
             if self.pool.blocks[block_id].key != key:
                 raise AssertionError(f"cache entry for block {block_id} has a stale key")
+        if self.tier is not None:
+            self.tier.check_invariants()
+        if self.disk is not None:
+            self.disk.check_invariants()

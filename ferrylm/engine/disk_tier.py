@@ -26,7 +26,10 @@ class DiskPrefixTier:
         self._writes: dict[int, tuple[int, int, int]] = {}  # this step's: hash → (device block, hash, owner)
         self._deletes: list[tuple[int, int]] = []  # (hash, owner) of files this step removes (before its writes)
         for block_hash, owner in existing:
-            self._add(block_hash, owner)
+            if capacity < 1:
+                self._deletes.append((block_hash, owner))  # no room at all: a smaller --kv-offload-disk-gib
+            else:
+                self._add(block_hash, owner)
         # files ordered written / ordered read / read and found good / found bad or failed to write
         self.blocks_written = self.blocks_read = self.blocks_loaded = self.blocks_lost = 0
 
@@ -52,7 +55,8 @@ class DiskPrefixTier:
     def _add(self, block_hash: int, owner: int) -> None:
         if len(self._lru) >= self.capacity:
             victim = self._lru.victim(owner)
-            self._forget(victim, self._lru.remove(victim))
+            if victim is not None:
+                self._forget(victim, self._lru.remove(victim))
         self._lru.add(block_hash, owner)
 
     def _forget(self, block_hash: int, owner: int) -> None:

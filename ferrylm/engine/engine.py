@@ -113,6 +113,7 @@ class Engine:
             build_grammar_compiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
         self._compiling: list[Request] = []  # requests whose grammar was not compiled when they arrived
         self.adapters = Adapters(config.lora, executor, self._requests_of_adapter)
+        self._step_in_flight = False
         executor.use_grammars(self.grammars.compiled if self.grammars is not None else None)
 
     @classmethod
@@ -136,10 +137,13 @@ class Engine:
         disk tier, the device pool's cached blocks are written first, so a restart finds them."""
         if self.grammars is not None:
             self.grammars.shutdown()
-        flush = self.block_manager.flush_to_disk()
         try:
-            if flush and self.executor.dead() is None:
+            # a step that did not finish leaves blocks registered whose K/V was never computed: no flush
+            if self.block_manager.disk is not None and not self._step_in_flight and self.executor.dead() is None:
+                flush = self.block_manager.flush_to_disk()
                 self.executor.execute(SchedulerOutput([], [], [], 0, disk=flush))
+            elif self.block_manager.disk is not None:
+                log.warning("the last step did not finish: the KV pool is not written to the disk tier")
         except Exception:  # noqa: BLE001  (a failed flush loses a cache, never the shutdown)
             log.warning("could not write the KV pool's cached blocks to the disk tier at shutdown", exc_info=True)
         finally:
@@ -262,9 +266,11 @@ class Engine:
         """Run one iteration; return outputs of requests that produced a token or finished."""
         failed = self._fail_uncompilable() if self._compiling else []
         sched = self.scheduler.schedule()
+        self._step_in_flight = True  # until the executor has run it (a shutdown then skips the disk flush)
         if not sched.scheduled:
             if sched.finished_ids or sched.preempted_ids or sched.blocks_to_swap_out or sched.disk:  # copy out...
                 self.block_manager.settle_disk(self.executor.execute(sched).kv_disk_lost)
+            self._step_in_flight = False
             pending = [r.grammar for r in self._compiling if r.grammar is not None]
             if pending:  # idle until a grammar is ready instead of spinning
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
@@ -272,6 +278,7 @@ class Engine:
         self._count_batch(sched)
         started = time.perf_counter()
         result = self.executor.execute(sched)
+        self._step_in_flight = False
         self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
         self.block_manager.settle_disk(result.kv_disk_lost)
         updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)

@@ -38,7 +38,8 @@ class LLM:
         return llm
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks this LLM started (nothing to do without them)."""
+        """Stop the tensor-parallel ranks this LLM started, and with a disk tier write the KV pool's
+        cached blocks and finish the queued writes (so the next run finds them); call it when done."""
         self.engine.shutdown()
 
     def get_tokenizer(self):

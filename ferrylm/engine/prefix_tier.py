@@ -43,6 +43,8 @@ class OwnerLRU(Generic[K]):
         return key in self._owner
 
     def add(self, key: K, owner: int) -> None:
+        if key in self._owner:  # under another owner: one entry, the latest
+            self.remove(key)
         self._owner[key] = owner
         self._owned.setdefault(owner, OrderedDict())[key] = None
 
@@ -61,10 +63,14 @@ class OwnerLRU(Generic[K]):
             del self._owned[owner]
         return owner
 
-    def victim(self, newcomer: int) -> K:
-        """The key to drop for one of `newcomer`'s: a tie goes against the newcomer's owner."""
-        owner = max(self._owned, key=lambda o: len(self._owned[o]) + (o == newcomer))
-        return next(iter(self._owned[owner]))
+    def victim(self, newcomer: int, protected: frozenset[K] | set[K] = frozenset()) -> K | None:
+        """The key to drop for one of `newcomer`'s: the least recently used of the owner that would hold
+        most (a tie goes against the newcomer's owner), skipping `protected` keys; None if all are."""
+        for owner in sorted(self._owned, key=lambda o: len(self._owned[o]) + (o == newcomer), reverse=True):
+            for key in self._owned[owner]:
+                if key not in protected:
+                    return key
+        return None
 
     def keys(self) -> list[K]:
         return list(self._owner)
@@ -95,8 +101,10 @@ class HostPrefixTier:
 
     def offload(self, block_id: int, key: BlockKey, owner: int = 0) -> tuple[int, int] | None:
         """The copy order (device block, host block) keeping an evicted device block here, evicting
-        the largest owner's least recently used prefix when full; None when it is already here or no
-        host block is free this step."""
+        the largest owner's least recently used prefix when full; None when it is already here (or
+        being read up from disk into a reserved block) or no host block is free this step."""
+        if key in self._pending:
+            return None
         if key in self._host:
             self._lru.touch(key)
             return None
@@ -108,12 +116,14 @@ class HostPrefixTier:
         self.blocks_out += 1
         return block_id, host
 
-    def reserve(self, key: BlockKey, owner: int) -> int | None:
-        """A host block for `key`'s K/V read back from disk this step (pending until `confirm`); None
-        when it is already here or no block can be had."""
+    def reserve(self, key: BlockKey, owner: int, protected: frozenset[BlockKey] | set[BlockKey] = frozenset()
+                ) -> int | None:
+        """A host block for `key`'s K/V read back from disk this step (pending until `confirm`), never
+        evicting a `protected` prefix (the same request's host hits); None when it is already here or
+        no block can be had."""
         if key in self._host or key in self._pending:
             return None
-        host = self._block_for(owner)
+        host = self._block_for(owner, protected)
         if host is not None:
             self._pending[key] = (host, owner)
         return host
@@ -129,14 +139,14 @@ class HostPrefixTier:
         host, _ = self._pending.pop(key)
         self._released.append(host)
 
-    def _block_for(self, owner: int) -> int | None:
+    def _block_for(self, owner: int, protected: frozenset[BlockKey] | set[BlockKey] = frozenset()) -> int | None:
         if self._free:
             return self._free.pop()
-        if self._lru:
-            victim = self._lru.victim(owner)
-            self._lru.remove(victim)
-            return self._host.pop(victim)
-        return None
+        victim = self._lru.victim(owner, protected) if self._lru else None
+        if victim is None:
+            return None
+        self._lru.remove(victim)
+        return self._host.pop(victim)
 
     def take(self, key: BlockKey) -> int:
         """The host block holding `key`, which leaves the tier (its K/V goes back to the device)."""

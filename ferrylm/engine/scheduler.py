@@ -283,7 +283,7 @@ class Scheduler:
         if req.disk_checked or self.block_manager.disk is None:
             return False
         keys = self.block_manager.disk_continuation(req.token_ids, cached, tier, req.cache_root)
-        ordered = self.block_manager.load_from_disk(keys, req.cache_root) if keys else 0
+        ordered = self.block_manager.load_from_disk(keys, req.cache_root, tier) if keys else 0
         req.disk_waits += 1
         req.disk_checked = ordered > 0 or not keys or req.disk_waits > MAX_DISK_WAITS
         return not req.disk_checked or ordered > 0

@@ -35,6 +35,7 @@ from ferrylm.config import ConfigError
 MAGIC = b"FERRYKV1"
 HEADER = struct.Struct("<8s16s16s16sQI")  # magic, fingerprint, block hash, owner, payload bytes, crc32
 SUFFIX = ".kv"
+FLUSH_CHUNK = 32  # blocks gathered at a time by the shutdown's flush
 
 
 def layout_fingerprint(model_path: str | os.PathLike[str] | None, facts: dict[str, Any],
@@ -119,9 +120,24 @@ class KVDiskStore:
         for block_hash, owner in orders:
             self._queue.put(("delete", block_hash, owner, b""))
 
-    def write(self, orders: Sequence[tuple[int, int, int]]) -> None:
+    def write(self, orders: Sequence[tuple[int, int, int]], wait: bool = False) -> None:
         """Gather (device block, hash, owner) blocks' bytes now (before the step reuses them) and queue
-        their files."""
+        their files. `wait` (the shutdown's flush): a chunk at a time, each waiting for room in the
+        queue instead of dropping what does not fit."""
+        if wait:
+            for start in range(0, len(orders), FLUSH_CHUNK):
+                chunk = orders[start:start + FLUSH_CHUNK]
+                while self._writer.is_alive() and not self._has_room(len(chunk) * self.block_bytes):
+                    time.sleep(0.005)
+                self._write(chunk, drop=False)
+            return
+        self._write(orders)
+
+    def _has_room(self, size: int) -> bool:
+        with self._lock:
+            return self._queued_bytes == 0 or self._queued_bytes + size <= self.max_queued_bytes
+
+    def _write(self, orders: Sequence[tuple[int, int, int]], drop: bool = True) -> None:
         if not orders:
             return
         idx = torch.tensor([b for b, _, _ in orders], dtype=torch.int64)
@@ -130,7 +146,7 @@ class KVDiskStore:
         for i, (_, block_hash, owner) in enumerate(orders):
             payload = b"".join(r[i].tobytes() for r in rows)
             with self._lock:
-                if self._queued_bytes + len(payload) > self.max_queued_bytes:
+                if drop and self._queued_bytes + len(payload) > self.max_queued_bytes:
                     self._lost.append(block_hash)  # the disk lags: this block is not kept
                     continue
                 self._queued_bytes += len(payload)
@@ -197,7 +213,10 @@ class KVDiskStore:
         while (job := self._queue.get()) is not None:
             action, block_hash, owner, payload = job
             if action == "delete":
-                self._path(block_hash, owner).unlink(missing_ok=True)
+                try:
+                    self._path(block_hash, owner).unlink(missing_ok=True)
+                except OSError:
+                    pass  # a file that cannot be removed is still checked on read; the writer goes on
                 continue
             ok = self._write_file(block_hash, owner, payload)
             with self._lock:

@@ -187,7 +187,7 @@ class ModelRunner:
         disk = self.kv_disk
         if disk is not None:
             disk.delete(output.disk.deletes)
-            disk.write(output.disk.writes)
+            disk.write(output.disk.writes, wait=output.disk.flush)
         self.kv_swap.swap_out(output.blocks_to_swap_out)
         lost = disk.read(output.disk.reads) + disk.take_lost() if disk is not None else []
         self.kv_swap.swap_in(output.blocks_to_swap_in)

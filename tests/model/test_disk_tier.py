@@ -247,3 +247,49 @@ def test_a_lagging_disk_drops_writes_instead_of_queueing_without_bound(tmp_path)
     store.close()
     assert oct(store.dir.stat().st_mode & 0o777) == "0o700"
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in store.dir.glob("*.kv"))
+
+
+def test_a_block_being_read_up_is_not_offloaded_twice_and_own_hits_are_not_evicted():
+    """Review findings: a key whose disk read is pending is not given a second host block when the
+    device pool evicts its twin the same step; a request's disk reads never evict its own host hits."""
+    from ferrylm.engine.prefix_tier import HostPrefixTier
+
+    tier = HostPrefixTier(first_id=0, num_blocks=3)
+    x, hit, other = (1, (1,)), (1, (2,)), (1, (3,))
+    assert tier.reserve(x, owner=5) is not None
+    assert tier.offload(40, x, owner=0) is None  # its K/V arrives by the read
+    tier.confirm(x)
+    tier.check_invariants()
+    assert tier.offload(41, hit, owner=5) is not None and tier.offload(42, other, owner=5) is not None
+    assert tier.reserve((1, (9,)), owner=5, protected={x, hit, other}) is None  # only own hits left: no room
+    assert tier.reserve((1, (9,)), owner=5, protected={x, hit}) is not None and not tier.holds(other)
+    assert tier.holds(x) and tier.holds(hit)
+    tier.end_step()
+    tier.check_invariants()
+
+
+def test_the_shutdown_flush_waits_for_room_instead_of_dropping(tmp_path):
+    device = [torch.randn(40, 64)]
+    store = KVDiskStore(tmp_path, b"f" * 16, device, [torch.zeros(2, 64)], max_queued_bytes=256 * 2)
+    store.write([(b, 100 + b, 7) for b in range(40)], wait=True)
+    assert store.take_lost() == []
+    store.close()
+    assert len(list(store.dir.glob("*.kv"))) == 40
+
+
+def test_no_flush_after_a_step_that_did_not_finish(tiny, expected, tmp_path):
+    """A step whose execute raised left blocks registered whose K/V was never computed: shutdown
+    writes nothing of the pool then (a restart would serve garbage)."""
+    _, _, host = expected
+    llm = LLM(str(tiny), kv_offload_cpu_gib=host, kv_offload_disk_path=str(tmp_path), **_common(tiny))
+    llm.engine.add_request("r", CONTEXTS[0], PARAMS)
+
+    def broken(step):
+        raise RuntimeError("the device fell over mid-forward")
+
+    llm.engine.executor.execute = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        llm.engine.step()
+    del llm.engine.executor.execute  # the real one again, for the shutdown
+    llm.shutdown()
+    assert not list(tmp_path.glob("*/*.kv"))

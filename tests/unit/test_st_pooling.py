@@ -67,3 +67,11 @@ def test_the_flag_overrides_the_checkpoint_field_by_field(tmp_path):
     assert pooler_from_args(args(pooler='{"normalize": false}'))["pooling_normalize"] is False
     assert pooler_from_args(args(pooler='{"pooling_type": "CLS"}'))["pooling_type"] == "cls"
     assert pooler_from_args(args(runner="auto"))["runner"] == "generate"  # a generating server ignores it
+
+
+def test_a_pooling_type_on_the_command_line_serves_a_checkpoint_it_cannot_run(tmp_path):
+    write(tmp_path, [TRANSFORMER, POOLING, NORMALIZE], pooling_mode_max_tokens=True)
+    args = types.SimpleNamespace(model=str(tmp_path), runner="pooling", pooler_config='{"pooling_type": "MEAN"}')
+    assert pooler_from_args(args) == {"runner": "pooling", "pooling_type": "mean", "pooling_normalize": True}
+    with pytest.raises(ConfigError, match="pooling_type picks another"):
+        pooler_from_args(types.SimpleNamespace(model=str(tmp_path), runner="pooling", pooler_config=None))

@@ -101,13 +101,13 @@ def _compressed_tensors_format(qc: dict, origin: str) -> Int4Format:
         if weights.get(field, want) != want:
             raise ModelLoadError(f"{where}.weights.{field} {weights.get(field)!r} is not supported ({want!r})")
     strategy = weights.get("strategy")
-    if strategy == "channel":
-        group = -1
-    elif strategy == "group":
-        group = weights.get("group_size")
-        if not isinstance(group, int) or group <= 0 or group % 32:
-            raise ModelLoadError(f"{where}.weights.group_size {group!r} is not supported (a multiple of 32)")
-    else:
+    group: int = -1  # "channel": one group over all inputs
+    if strategy == "group":
+        size = weights.get("group_size")
+        if not isinstance(size, int) or size <= 0 or size % 32:
+            raise ModelLoadError(f"{where}.weights.group_size {size!r} is not supported (a multiple of 32)")
+        group = size
+    elif strategy != "channel":
         raise ModelLoadError(f"{where}.weights.strategy {strategy!r} is not supported (group, channel)")
     if weights.get("actorder") not in (None, "group"):
         raise ModelLoadError(f"{where}.weights.actorder {weights.get('actorder')!r} is not supported (null, group)")

@@ -45,7 +45,8 @@ def sentence_transformers_pooling(directory: str | Path) -> CheckpointPooling | 
     unknown = [m["type"] for m, kind in zip(modules, kinds) if kind not in KNOWN_MODULES]
     if unknown:
         raise ConfigError(f"{root / 'modules.json'}: the sentence-transformers module(s) {', '.join(unknown)} "
-                          "cannot be served (supported: Transformer, Pooling, Normalize)")
+                          "cannot be served (supported: Transformer, Pooling, Normalize); --pooler-config "
+                          "with a pooling_type serves the model without them")
     pooling = [m for m, kind in zip(modules, kinds) if kind == "Pooling"]
     if len(pooling) != 1:
         raise ConfigError(f"{root / 'modules.json'}: expected one Pooling module, found {len(pooling)}")
@@ -56,7 +57,8 @@ def sentence_transformers_pooling(directory: str | Path) -> CheckpointPooling | 
     refused = [key for key in UNSUPPORTED_MODES if config.get(key)]
     if refused or len(chosen) != 1:
         raise ConfigError(f"{root}: pooling {', '.join(refused + [k for k in MODES if config.get(k)]) or 'none'} "
-                          "cannot be served (one of lasttoken, mean_tokens, cls_token); pass --pooler-config")
+                          "cannot be served (one of lasttoken, mean_tokens, cls_token); --pooler-config with a "
+                          "pooling_type picks another")
     if config.get("include_prompt", True) is not True:
         raise ConfigError(f"{root}: pooling with include_prompt false (an instruction left out) cannot be served")
     return CheckpointPooling(chosen[0], "Normalize" in kinds)
