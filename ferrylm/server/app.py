@@ -71,7 +71,7 @@ from ferrylm.server.embeddings import embeddings_shaper
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
 from ferrylm.server.prompts import check_num_sequences
-from ferrylm.server.reasoning import answer_only, parser_for
+from ferrylm.server.reasoning import ReasoningParser, answer_only, closed_in_prompt, for_prompt, parser_for
 from ferrylm.server.request_end import RequestEnd
 from ferrylm.server.request_trace import RequestTrace
 from ferrylm.server.serving import ResponseContext
@@ -175,20 +175,24 @@ async def _admitted(request: Request, model_cls: type[B], runner: str | None) ->
 
 
 async def _chat_inputs(request: Request, engine: EngineClient, req: ChatCompletionRequest, what: str
-                       ) -> tuple[SamplingParams, ToolPlan | None, list[int]]:
-    """A chat request's SamplingParams, tool plan and prompt ids, each checked (400s): the fields,
-    the context window (`what` names the field the prompt came from) and the output constraint."""
+                       ) -> tuple[SamplingParams, ToolPlan | None, list[int], ReasoningParser | None]:
+    """A chat request's SamplingParams, tool plan, prompt ids and reasoning parser, each checked (400s):
+    the fields, the context window (`what` names the field the prompt came from) and the output
+    constraint, which under a reasoning parser applies to the answer only (from the first token when
+    the prompt closed the thinking)."""
     core = engine.model_info
     params, tool_plan = inputs.chat_params(req, core.vocab_size)
     config = request.app.state.ferry.config
-    parser = parser_for(config.reasoning_parser)
-    if params.structured_outputs is not None and parser is not None and not config.constrain_reasoning:
-        params.structured_outputs = answer_only(params.structured_outputs, parser, core.tokenizer)
     prompt = await prompts.chat_prompt_ids(core.tokenizer, req, core.max_model_len)
+    parser = parser_for(config.reasoning_parser)
+    if parser is not None and closed_in_prompt(parser, core.tokenizer, prompt):
+        parser = for_prompt(parser, core.tokenizer, prompt)
+    elif params.structured_outputs is not None and parser is not None and not config.constrain_reasoning:
+        params.structured_outputs = answer_only(params.structured_outputs, parser, core.tokenizer)
     inputs.check_fits(prompt, params.max_tokens, core.max_model_len, what)
     if params.structured_outputs is not None:
         await structured.check_compiles(engine, params.structured_outputs, request)
-    return params, tool_plan, prompt
+    return params, tool_plan, prompt, parser
 
 
 async def chat_completions(request: Request) -> Response:
@@ -197,10 +201,10 @@ async def chat_completions(request: Request) -> Response:
     model = state.resolve_model(req.model)
     core = engine.model_info
     check_num_sequences(1, req.n or 1, state.config.max_sequences_per_request)
-    params, tool_plan, prompt = await _chat_inputs(request, engine, req, "messages")
+    params, tool_plan, prompt, reasoning = await _chat_inputs(request, engine, req, "messages")
     ctx = ResponseContext(ctx_id, model, core.tokenizer, params.logprobs,
                           bool(req.stream_options and req.stream_options.include_usage), tools=tool_plan,
-                          timings=bool(req.timings), reasoning=parser_for(state.config.reasoning_parser))
+                          timings=bool(req.timings), reasoning=reasoning)
     return await _serve(request, state, engine, ctx, [prompt], params, req, serving.stream_chat,
                         serving.chat_response)
 
@@ -234,11 +238,10 @@ async def create_response(request: Request) -> Response:
     model = state.resolve_model(req.model)
     core = engine.model_info
     try:
-        params, tool_plan, prompt = await _chat_inputs(request, engine, req, "input")
+        params, tool_plan, prompt, reasoning = await _chat_inputs(request, engine, req, "input")
     except APIError as e:  # name the Responses field, not the chat one it became
         raise in_dialect_terms(e, RESPONSES) from None
-    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan,
-                          reasoning=parser_for(state.config.reasoning_parser))
+    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan, reasoning=reasoning)
     echo = responses.echo_fields(body)
     return await _serve(request, state, engine, ctx, [prompt], params, req, responses.responses_streamer(echo),
                         responses.responses_shaper(echo))
@@ -253,11 +256,10 @@ async def create_message(request: Request) -> Response:
     model = state.resolve_model(req.model)
     core = engine.model_info
     try:
-        params, tool_plan, prompt = await _chat_inputs(request, engine, req, "messages")
+        params, tool_plan, prompt, reasoning = await _chat_inputs(request, engine, req, "messages")
     except APIError as e:
         raise in_dialect_terms(e, messages_protocol.MESSAGES) from None
-    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan,
-                          reasoning=parser_for(state.config.reasoning_parser))
+    ctx = ResponseContext(ctx_id, model, core.tokenizer, tools=tool_plan, reasoning=reasoning)
     return await _serve(request, state, engine, ctx, [prompt], params, req, messages.messages_stream,
                         messages.messages_response)
 

@@ -60,6 +60,30 @@ def answer_only(constraint: StructuredOutputsParams, parser: ReasoningParser,
     return dataclasses.replace(constraint, reasoning_end=end, reasoning_start=start)
 
 
+def _last(ids: list[int], pattern: list[int]) -> int:
+    """Where the last occurrence of `pattern` in `ids` starts, or -1."""
+    n = len(pattern)
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i:i + n] == pattern:
+            return i
+    return -1
+
+
+def closed_in_prompt(parser: ReasoningParser, tokenizer: Tokenizer, prompt: list[int]) -> bool:
+    """Whether the prompt itself closed the thinking (its last tag is `</think>`: a template that turns
+    thinking off writes `<think></think>`, an assistant prefill may close it): the output is all answer."""
+    end = _last(prompt, tokenizer.encode(parser.end, add_special_tokens=False))
+    return end >= 0 and end > _last(prompt, tokenizer.encode(parser.start, add_special_tokens=False))
+
+
+def for_prompt(parser: ReasoningParser | None, tokenizer: Tokenizer, prompt: list[int]) -> ReasoningParser | None:
+    """The parser a request's output is split with: none for deepseek_r1 when the prompt closed the
+    thinking (the output starts in the answer; qwen3 only sees thinking that the output opens anyway)."""
+    if parser is not None and parser.opens_implicitly and closed_in_prompt(parser, tokenizer, prompt):
+        return None
+    return parser
+
+
 def parser_for(name: str | None) -> ReasoningParser | None:
     if name is None:
         return None

@@ -50,22 +50,26 @@ def thinking(tmp_path_factory):
     words = out.choices[0].message.content.split()
     ids = [int(w[1:]) for w in words]
     prompt = {int(w[1:]) for w in ASK[0]["content"].split()}
-    cut = next((i for i in range(1, len(ids)) if ids[i] not in {*ids[:i], *prompt, 0, 1, 2, 7, 9}), None)
+    cut = next((i for i in range(1, len(ids)) if ids[i] not in {*ids[:i], *prompt, 0, 1, 2, 5, 6, 7, 8, 9}), None)
     assert cut is not None, words
     word_tokenizer(model, {ids[cut]: "</think>"})
     return model, words, cut
 
 
-def test_the_constraint_starts_after_the_thinking(thinking):
-    model, words, cut = thinking
+@pytest.fixture(scope="module")
+def r1(thinking):
+    """A deepseek_r1 server on the model whose </think> is known (constraints: the answer only)."""
+    server = _serve(thinking[0], "--reasoning-parser", "deepseek_r1")
+    yield server
+    assert server.stop() == 0
+
+
+def test_the_constraint_starts_after_the_thinking(thinking, r1):
+    _, words, cut = thinking
     choices = ["t7", "t9"]
-    server = _serve(model, "--reasoning-parser", "deepseek_r1")
-    try:
-        out = server.client().chat.completions.create(
-            model="tiny", messages=ASK, max_tokens=12, temperature=1.0, seed=1234, extra_body={"structured_outputs": {
-                "choice": choices}})
-    finally:
-        assert server.stop() == 0
+    out = r1.client().chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=12, temperature=1.0, seed=1234, extra_body={"structured_outputs": {
+            "choice": choices}})
     message = out.choices[0].message.model_dump()
     assert message["reasoning"].split() == words[:cut]  # unconstrained: the same tokens as without a constraint
     assert message["content"].strip() in choices
@@ -89,3 +93,13 @@ def test_a_bad_structured_outputs_config_stops_the_start(tmp_path):
     server = ServerProcess("--structured-outputs-config", '{"backend": "xgrammar"}')
     assert server.proc.wait(120) == 2 and "backend not supported" in server.log_tail()
     server.stop()
+
+
+def test_a_prompt_that_closed_the_thinking_is_answered_under_the_constraint(r1):
+    """The prompt's last tag is </think> (a template that turns thinking off, or an assistant prefill):
+    the output is all answer, constrained from its first token, and comes back as content."""
+    out = r1.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "t5 t6 </think> t8"}], max_tokens=12,
+        temperature=1.0, seed=1234, extra_body={"structured_outputs": {"choice": ["t7", "t9"]}})
+    message = out.choices[0].message.model_dump()
+    assert message["content"].strip() in ("t7", "t9") and not message.get("reasoning")
