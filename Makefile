@@ -45,7 +45,7 @@ lint: setup  # ruff and mypy (config in pyproject.toml); mypy covers engine/, se
 # compute thread (tests/conftest.py): one worker's start-up or idle wait overlaps the other's compute
 # (1718 s -> ~1050 s on 2 AVX2 cores, docs/testing.md).
 test: lint  # hypothesis/schemathesis derandomized ("ci" profile, tests/conftest.py): same examples every run
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider -m "not long" -n 2 --dist loadfile
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider -m "not long" -n 2 --dist loadfile --durations=30
 
 test-long: setup  # the heavy variants CI leaves out (docs/testing.md): real-model TP, perplexity sweeps, ...
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider -m long
