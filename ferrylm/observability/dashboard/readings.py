@@ -90,9 +90,8 @@ def replica_health(replica: Any, now: float) -> Health:
 def gateway_reader(replicas: Callable[[], Iterable[Any]], registry: CollectorRegistry,
                    ttft_name: str) -> Callable[[], Reading]:
     """`ferrylm gateway`: the fleet's counters summed over every replica that has reported (so they
-    stay monotonic when one goes down), gauges over the ready ones, the router's own TTFT. The tiers
-    are summed here, not through LoadReport.combine, which sums int fields only (the disk tier's read
-    seconds are a float)."""
+    stay monotonic when one goes down), gauges over the ready ones, the router's own TTFT; the tiers'
+    figures split the same way (tiers.tier_counters)."""
 
     def read() -> Reading:
         now = time.monotonic()
