@@ -28,7 +28,8 @@ def option(default: Any, help: str, *, name: str | None = None, choices: tuple[s
 class ModelConfig:
     """Shape of a Llama-family transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "mixtral" | "qwen3_moe" | "llama4"
+    # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "mixtral" | "qwen3_moe" | "llama4" | "gemma3"
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -56,11 +57,24 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # an expert every token goes through besides its routed ones
     nope_layers: tuple[int, ...] = ()  # layers without RoPE (Llama 4)
     qk_l2_norm: bool = False  # Llama 4: q and k RMS-normalised (no weight) after RoPE, on RoPE layers
+    # sliding-window attention (Gemma 3): layer i in sliding_layers attends to its last sliding_window
+    # positions, its own included (q_pos - k_pos < sliding_window), with local_rope_theta; the other
+    # layers attend fully. A None window leaves the sliding layers unmasked (their RoPE still local).
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers (unscaled); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim's
+    final_logit_softcapping: float | None = None  # logits <- cap * tanh(logits / cap)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_pytorch_tanh"
     prequantized: str | None = None  # PREQUANTIZED_METHODS: the checkpoint's Linears are int4 (quantization_config)
     local_experts: tuple[int, ...] | None = None  # expert parallelism: the experts this rank holds; None: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index`, or None when it attends to its whole context."""
+        return self.sliding_window if index in self.sliding_layers else None
 
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or index in self.moe_layers)

@@ -278,6 +278,7 @@ void check_vector_helpers(std::mt19937& rng, Tally& t) {
 struct DecodeCase {
   int64_t D, G;
   std::vector<int64_t> lens;
+  int64_t window = 0;  // > 0: each sequence attends to its last `window` keys only
 };
 
 // float64 attention of one (sequence, head): out[D].
@@ -344,12 +345,13 @@ void run_decode_case(std::mt19937& rng, const DecodeCase& c, Tally& t) {
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   std::vector<float> out(x.B * H * D, NAN);
   ferry_neon::decode_attention(x.q.data(), x.kc.data(), x.vc.data(), x.tables.data(), c.lens.data(), out.data(), x.B,
-                               H, x.Hkv, D, x.bs, x.max_blocks, scale);
+                               H, x.Hkv, D, x.bs, x.max_blocks, scale, c.window);
   std::vector<double> ref(D);
   for (int64_t b = 0; b < x.B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       std::vector<const float*> kr, vr;
-      for (int64_t tok = 0; tok < c.lens[b]; ++tok)
+      const int64_t lo = c.window > 0 ? std::max<int64_t>(0, c.lens[b] - c.window) : 0;
+      for (int64_t tok = lo; tok < c.lens[b]; ++tok)
         kr.push_back(&x.kc[x.at(b, tok, h / c.G)]), vr.push_back(&x.vc[x.at(b, tok, h / c.G)]);
       ref_attention(&x.q[(b * H + h) * D], kr, vr, D, scale, ref.data());
       double err = 0, top = 0;
@@ -374,6 +376,8 @@ void check_decode(std::mt19937& rng, Tally& t) {
       run_decode_case(rng, {D, G, {1, 17, 300}}, t);
     }
   run_decode_case(rng, {64, 3, {0, 16, 5}}, t);  // an empty sequence writes zeros
+  for (int64_t window : {1, 7, 16, 40})  // sliding windows inside and across blocks, and longer than a context
+    run_decode_case(rng, {64, 3, {1, 17, 300, 5}, window}, t);
 }
 
 }  // namespace

@@ -12,7 +12,7 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_
 
 def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, **overrides) -> Path:
     """Save a tiny random model of `kind` (llama | llama3 | qwen2 | qwen3 | phi3 | mixtral | qwen3_moe |
-    llama4 | mistral) into `directory`."""
+    llama4 | mistral | gemma3) into `directory`."""
     import transformers
 
     torch.manual_seed(0)
@@ -46,6 +46,13 @@ def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, *
                                                   "use_qk_norm": True, "pad_token_id": 0,
                                                   **{k: v for k, v in kw.items()
                                                      if k not in ("intermediate_size", "num_hidden_layers")}})
+    elif kind == "gemma3":  # sliding layers 0, 2, 3 (window 8), full layer 1 with linear RoPE scaling
+        config = transformers.Gemma3TextConfig(**{
+            **kw, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                                 "sliding_attention"],
+            "rope_local_base_freq": 100.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0, "pad_token_id": 0, **overrides})
     elif kind == "mistral":
         config = transformers.MistralConfig(**{"sliding_window": None, "head_dim": 32, **kw})
     else:

@@ -1,4 +1,4 @@
-"""Transformer building blocks: RMSNorm, rotary embedding, SwiGLU activation, linear."""
+"""Transformer building blocks: RMSNorm (Llama's and Gemma's), rotary embedding, gated activations, linear."""
 
 from __future__ import annotations
 
@@ -40,6 +40,26 @@ class RMSNorm(nn.Module):
         if self.fused_ops is not None and x.is_contiguous() and residual.is_contiguous():
             self.fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
+        residual = residual + x
+        return self.forward(residual), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x * (1 + w), all in float32, then cast (Llama casts before the weight; in
+    bf16 the two differ, so Gemma keeps its own). Checkpoints store w around 0, not around 1."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual + x`, then its norm and the sum (RMSNorm's contract, unfused)."""
         residual = residual + x
         return self.forward(residual), residual
 
@@ -119,14 +139,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up packed in one Linear. A dense layer's
-    MLP (arch/llama.py adds its TP all-reduce) and each expert of an MoE block (arch/moe.py)."""
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up packed in one Linear; act is SiLU (SwiGLU)
+    or, for Gemma, tanh-approximated GELU. A dense layer's MLP (arch/llama.py adds its TP all-reduce)
+    and each expert of an MoE block (arch/moe.py)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantMethod | None = None):
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantMethod | None = None,
+                 hidden_act: str = "silu"):
         super().__init__()
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden activation {hidden_act!r} (supported: "
+                             f"{', '.join(GATED_ACTIVATIONS)})")
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, quant=quant)
         self.down_proj = Linear(intermediate_size, hidden_size, quant=quant)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul() if hidden_act == "silu" else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -138,6 +163,17 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU with tanh-approximated GELU (transformers' gelu_pytorch_tanh) over [gate | up]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # config.hidden_act values GatedMLP computes
 
 
 class Linear(nn.Module):

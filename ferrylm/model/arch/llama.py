@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3; with arch/moe.py Mixtral and
-Qwen3-MoE) over a paged KV cache.
+Qwen3-MoE; arch/gemma3.py builds Gemma 3 from its attention and MLP) over a paged KV cache.
 
 Shapes: T = tokens in the flat batch, H = query heads, Hkv = KV heads, D = head dim.
 Q/K/V and gate/up projections are packed into one matmul each.
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
-from ferrylm.model.arch.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from ferrylm.model.arch.layers import GatedMLP, GemmaRMSNorm, Linear, RMSNorm, RotaryEmbedding
 from ferrylm.model.arch.moe import SparseMoeBlock
 from ferrylm.model.attention.base import AttentionBackend
 from ferrylm.model.forward_batch import ForwardBatch
@@ -23,8 +23,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
+    """`qk_norm`: the class of the per-head q/k norms when config.qk_norm (Gemma passes its own).
+    A layer in config.sliding_layers passes its window to the backend, which masks older keys."""
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 quant: QuantMethod | None = None, tp: Any = None, layer_index: int = 0):
+                 quant: QuantMethod | None = None, tp: Any = None, layer_index: int = 0,
+                 qk_norm: type[RMSNorm] | type[GemmaRMSNorm] = RMSNorm):
         super().__init__()
         self.tp = tp  # parallel.TPContext: o_proj is row-parallel, its partial sums all-reduced
         self.use_rope = layer_index not in config.nope_layers
@@ -35,11 +39,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias,
                                quant=quant)
         self.o_proj = Linear(self.q_size, config.hidden_size, quant=quant)
-        self.scale = self.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = config.layer_window(layer_index)
         self.rotary = rotary  # shared across layers, not owned
         self.backend = backend
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) D]
@@ -55,7 +60,10 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary(batch.positions, q, k)
         if self.l2_norm_eps is not None:  # Llama 4
             q, k = _l2_norm(q, self.l2_norm_eps), _l2_norm(k, self.l2_norm_eps)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
+        if self.window is None:
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
+        else:
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, window=self.window)
         out = self.o_proj(o.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.group.all_reduce(out)
 
@@ -68,7 +76,7 @@ def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaMLP(GatedMLP):
     def __init__(self, config: ModelConfig, quant: QuantMethod | None = None, tp: Any = None):
-        super().__init__(config.hidden_size, config.intermediate_size, quant)
+        super().__init__(config.hidden_size, config.intermediate_size, quant, config.hidden_act)
         self.tp = tp  # down is row-parallel: partial sums all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,11 +134,16 @@ class LlamaForCausalLM(nn.Module):
         if not (config.tie_word_embeddings and not isinstance(head_quant, UnquantizedMethod)):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops, quant, tp, i)
-                                    for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+        self.layers = self._make_layers(config, backend, fused_ops, quant, tp)
+        self.norm: RMSNorm | GemmaRMSNorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, quant=head_quant)
         self.tie_weights()
+
+    def _make_layers(self, config: ModelConfig, backend: AttentionBackend, fused_ops, quant: QuantMethod | None,
+                     tp: Any) -> nn.ModuleList:
+        """The decoder layers; each returns (x, residual) whose sum is the next layer's input."""
+        return nn.ModuleList(LlamaDecoderLayer(config, self.rotary, backend, fused_ops, quant, tp, i)
+                             for i in range(config.num_layers))
 
     def tie_weights(self) -> None:
         """Share the embedding and lm_head Parameter (tied, unquantized); call again after to_empty()."""

@@ -43,9 +43,12 @@ class AttentionBackend(Protocol):
     `forward` returns [T, H, D] and reads the metadata this backend's `prepare` attached to `batch`.
     `supports_cuda_graphs`: `prepare` of a decode-only batch depends on its shapes only, and its
     tensors may be captured once and refilled in place (see cuda_graphs.py).
+    `window` (sliding-window layers, when `supports_sliding_window`): a query at position p sees only
+    keys at p - window + 1 .. p; older keys stay in the cache, masked. None: the whole context.
     """
 
     supports_cuda_graphs: bool
+    supports_sliding_window: bool
 
     def prepare(self, batch: ForwardBatch) -> object: ...
 
@@ -58,6 +61,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
 

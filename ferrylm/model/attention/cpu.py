@@ -1,5 +1,8 @@
 """CPU backend: C++ paged decode kernel for single-token queries, torch-native for prefill chunks.
 
+Sliding-window layers pass their window to both: the kernel starts each sequence's key loop at
+its last `window` keys; prefill chunks read only the blocks from the first key in any query's window.
+
 A quantized KV cache (fp8 / int8, kv_quant.py) is written by a C++ op (a torch op, so the
 compiled decode step traces through it) and read in place by the decode kernel; prefill chunks
 gather and dequantize it in torch."""
@@ -22,6 +25,7 @@ class CpuBackend:
 
     supports_cuda_graphs = False
     supports_quantized_kv = True  # fp8 / int8 caches (kv_quant.py)
+    supports_sliding_window = True
 
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
@@ -37,7 +41,7 @@ class CpuBackend:
         return PagedMetadata(decode_only=True, decode=rows, prefill=())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float, window: int | None = None) -> torch.Tensor:
         meta = attn_metadata(batch, PagedMetadata)
         if kv_quant.is_quantized(k_cache):
             self.kernels.write_kv_quant_(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -45,17 +49,17 @@ class CpuBackend:
             write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if meta.decode_only:
             return self.kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, batch.block_tables,
-                                                       batch.seq_lens, scale)
+                                                       batch.seq_lens, scale, window or 0)
         out = torch.empty_like(q)
         rows = meta.decode
         if rows is not None:
             o = self.kernels.paged_decode_attention(q.index_select(0, rows.token_idx).contiguous(), k_cache,
-                                                    v_cache, rows.block_tables, rows.seq_lens, scale)
+                                                    v_cache, rows.block_tables, rows.seq_lens, scale, window or 0)
             out.index_copy_(0, rows.token_idx, o)
         for chunk in meta.prefill:
             s, n = chunk.start, chunk.length
             out[s:s + n] = self.fallback.prefill(q[s:s + n], k_cache, v_cache, chunk.block_table, chunk.seq_len,
-                                                  scale, chunk.mask)
+                                                  scale, chunk.mask, window)
         return out
 
 

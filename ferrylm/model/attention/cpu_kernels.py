@@ -32,7 +32,8 @@ _CFLAGS = ("-ffast-math", "-fno-finite-math-only")
 class CpuKernels(NamedTuple):
     """The ops, called like functions (each an OpOverload: one dispatcher hop, no Python wrapper)."""
 
-    paged_decode_attention: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, block_tables, seq_lens, scale)
+    # (q, k_cache, v_cache, block_tables, seq_lens, scale, window=0): window > 0 attends the last `window` keys only
+    paged_decode_attention: Callable[..., torch.Tensor]
     add_rms_norm_: Callable[..., None]  # (x, residual, weight, eps): x <- norm(x + residual), residual <- sum
     rope_qkv_: Callable[..., None]  # (qkv, positions, cos, sin, heads, head_dim), in place
     # (k, v, k_cache, v_cache, slot_mapping): quantize rows into an fp8 / int8 cache (kv_quant.py layout)
@@ -43,7 +44,7 @@ class CpuKernels(NamedTuple):
 def _register_fakes(ns: str) -> None:
     """Shapes for tracing: attention returns q's shape; the in-place ops return nothing."""
     fakes: dict[str, Callable[..., torch.Tensor | None]] = {
-        "paged_decode_attention": lambda q, k_cache, v_cache, block_tables, seq_lens, scale:
+        "paged_decode_attention": lambda q, k_cache, v_cache, block_tables, seq_lens, scale, window=0:
             torch.empty_like(q),
         "add_rms_norm_": lambda x, residual, weight, eps: None,
         "rope_qkv_": lambda qkv, positions, cos, sin, heads, head_dim: None,

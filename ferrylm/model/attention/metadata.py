@@ -47,6 +47,20 @@ def causal_mask(length: int, seq_len: int, device: torch.device) -> torch.Tensor
     return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
 
 
+def window_start(seq_len: int, length: int, window: int | None) -> int:
+    """The first key position any of a chunk's queries sees: its first query's position minus the
+    window, plus one (0 without a window or when the window reaches the start)."""
+    return 0 if window is None else max(0, seq_len - length - window + 1)
+
+
+def window_mask(length: int, seq_len: int, first_key: int, window: int, device: torch.device) -> torch.Tensor:
+    """[length, seq_len - first_key] bool: query i (position seq_len - length + i) keeps key j
+    (position first_key + j) when 0 <= q_pos - k_pos < window (causal, inside the window)."""
+    q_pos = torch.arange(seq_len - length, seq_len, device=device)[:, None]
+    distance = q_pos - torch.arange(first_key, seq_len, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 def _decode_rows(batch: ForwardBatch, rows: list[int]) -> DecodeRows:
     max_len = max(batch.seq_lens_list[b] for b in rows)
     if len(rows) == batch.num_seqs:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ferrylm.model.attention import kv_quant
 from ferrylm.model.attention.base import attn_metadata
-from ferrylm.model.attention.metadata import DecodeRows, PagedMetadata, split_batch
+from ferrylm.model.attention.metadata import DecodeRows, PagedMetadata, split_batch, window_mask, window_start
 from ferrylm.model.forward_batch import ForwardBatch
 
 
@@ -63,26 +63,28 @@ class TorchNativeBackend:
 
     supports_cuda_graphs = False
     supports_quantized_kv = True  # fp8 / int8 caches (kv_quant.py)
+    supports_sliding_window = True
 
     def prepare(self, batch: ForwardBatch) -> PagedMetadata:
         return split_batch(batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float, window: int | None = None) -> torch.Tensor:
         meta = attn_metadata(batch, PagedMetadata)
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode is not None:
-            self._decode(q, k_cache, v_cache, meta.decode, scale, out)
+            self._decode(q, k_cache, v_cache, meta.decode, scale, out, window)
         for chunk in meta.prefill:
             s, n = chunk.start, chunk.length
             out[s:s + n] = self.prefill(q[s:s + n], k_cache, v_cache, chunk.block_table, chunk.seq_len, scale,
-                                        chunk.mask)
+                                        chunk.mask, window)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows,
-                scale: float, out: torch.Tensor) -> None:
-        """All single-token queries at once: gather their blocks, mask beyond each length."""
+                scale: float, out: torch.Tensor, window: int | None = None) -> None:
+        """All single-token queries at once: gather their blocks, mask beyond each length (and, with
+        a window, keys `window` or more positions behind the query)."""
         num_kv_heads, head_dim = k_cache.shape[-2:]
         block_size = k_cache.shape[1]
         num_rows = rows.token_idx.shape[0]
@@ -93,19 +95,27 @@ class TorchNativeBackend:
         qb = q.index_select(0, rows.token_idx)  # [B, H, D]
         qb = qb.view(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
         positions = torch.arange(keys.shape[2], device=q.device)
-        mask = (positions[None, :] < rows.seq_lens[:, None])[:, None, None, :]
+        keep = positions[None, :] < rows.seq_lens[:, None]
+        if window is not None:
+            keep &= positions[None, :] >= rows.seq_lens[:, None] - window
+        mask = keep[:, None, None, :]
         o = _attend(qb, keys, values, mask, scale)  # [B, Hkv, G, D]
         out.index_copy_(0, rows.token_idx, o.reshape(num_rows, -1, head_dim).to(out.dtype))
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                seq_len: int, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+                seq_len: int, scale: float, mask: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
         """Causal attention of a chunk of n queries that sit at the end of a seq_len-token sequence.
 
         torch's SDPA (a blocked flash kernel on CPU) skips fully masked tiles: ~5x faster than
         materialising the [n, seq_len] scores for a 1,000-token prompt. A chunk that starts
         mid-sequence (prefix-cache hit, chunked prefill) gets the offset causal `mask` that
         prepare() built for the step (metadata.causal_mask); None when n == seq_len.
+        With a `window` shorter than the context, only the blocks from the first key any query sees
+        are read, under a causal window mask (built here: it differs from layer to layer only in
+        whether the layer slides).
         """
+        if window is not None and seq_len > window:
+            return self._prefill_window(q, k_cache, v_cache, table, seq_len, scale, window)
         keys = gather_kv(k_cache, table, seq_len, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
         values = gather_kv(v_cache, table, seq_len, q.dtype).transpose(0, 1).unsqueeze(0)
         queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -113,4 +123,16 @@ class TorchNativeBackend:
             o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)  # [n, H, D]
+
+    def _prefill_window(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                        seq_len: int, scale: float, window: int) -> torch.Tensor:
+        n, block_size = q.shape[0], k_cache.shape[1]
+        first_block = window_start(seq_len, n, window) // block_size
+        first_key = first_block * block_size
+        keys = gather_kv(k_cache, table[first_block:], seq_len - first_key, q.dtype).transpose(0, 1).unsqueeze(0)
+        values = gather_kv(v_cache, table[first_block:], seq_len - first_key, q.dtype).transpose(0, 1).unsqueeze(0)
+        mask = window_mask(n, seq_len, first_key, window, q.device)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
         return o[0].transpose(0, 1)  # [n, H, D]

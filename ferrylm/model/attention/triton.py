@@ -416,10 +416,12 @@ class TritonMetadata(NamedTuple):
 class TritonBackend:
     """AttentionBackend for CUDA. Single-query rows take the split-K decode kernel, rows of longer
     chunks the varlen prefill kernel. A decode-only batch's metadata holds no tensors and depends on
-    its shapes only, so CudaGraphRunner can capture it."""
+    its shapes only, so CudaGraphRunner can capture it. The kernels attend every key of the context:
+    a sliding-window model (Gemma 3) is refused at load (loader.load_model reads the flag below)."""
 
     supports_cuda_graphs = True
     supports_quantized_kv = True  # fp8 / int8 caches (kv_quant.py): kernels specialised on the cache type
+    supports_sliding_window = False
 
     def __init__(self, spec: AttentionSpec, decode_partitions: int | None = None):
         """`decode_partitions` forces the split-K factor (tests); None picks it from the batch shape."""
@@ -441,7 +443,10 @@ class TritonBackend:
         return TritonMetadata(plan, num_decode, parts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float, window: int | None = None) -> torch.Tensor:
+        if window is not None:
+            raise ValueError("TritonBackend does not implement sliding-window attention (window "
+                             f"{window}); use the torch attention backend")
         meta = attn_metadata(batch, TritonMetadata)
         if not q.is_cuda and not _interpreting():
             raise RuntimeError("TritonBackend on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")

@@ -12,6 +12,8 @@ import torch
 
 from ferrylm.config import ModelConfig
 from ferrylm.model.arch.layers import ROPE_TYPES
+from ferrylm.model.loaders.gemma3_config import TEXT_DEFAULTS as GEMMA3_TEXT_DEFAULTS
+from ferrylm.model.loaders.gemma3_config import gemma3_fields, gemma3_rope
 from ferrylm.model.loaders.int4_checkpoint import read_quantization_config
 from ferrylm.model.loaders.model_source import ModelLoadError
 
@@ -25,6 +27,8 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Llama4ForCausalLM": "llama4",
     "Llama4ForConditionalGeneration": "llama4",  # its text model; the vision tower is not loaded
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model; the vision tower is not loaded
 }
 
 
@@ -45,25 +49,30 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
     if arch is None:
         supported = ", ".join(ARCHITECTURES)
         raise ModelLoadError(f"{directory / 'config.json'}: unsupported architecture {archs} (supported: {supported})")
-    if "text_config" in cfg:  # a multimodal checkpoint (Llama 4): serve its language model
-        cfg = {**cfg["text_config"], "quantization_config": cfg.get("quantization_config")}
+    where = str(directory / "config.json")
+    if "text_config" in cfg:  # a multimodal checkpoint (Llama 4, Gemma 3): serve its language model
+        text = {**GEMMA3_TEXT_DEFAULTS, **cfg["text_config"]} if arch == "gemma3" else cfg["text_config"]
+        cfg = {**text, "quantization_config": cfg.get("quantization_config")}
     gen_path = directory / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else {}
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps theta, scaling and partial factor here
-    scaling = cfg.get("rope_scaling") or rope or None
+    if arch == "gemma3":  # RoPE per layer type
+        rope_theta, scaling, _ = gemma3_rope(cfg, where)
+        rope = {}
+    else:
+        rope_theta, scaling = cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), cfg.get("rope_scaling") or rope
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
     if scaling and scaling.get("rope_type", scaling.get("type")) not in ROPE_TYPES:
-        raise ModelLoadError(f"{directory / 'config.json'}: rope_scaling type "
-                             f"{scaling.get('rope_type', scaling.get('type'))!r} is not supported "
-                             f"(supported: {', '.join(ROPE_TYPES)})")
+        raise ModelLoadError(f"{where}: rope_scaling type {scaling.get('rope_type', scaling.get('type'))!r} is not "
+                             f"supported (supported: {', '.join(ROPE_TYPES)})")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    int4 = read_quantization_config(cfg, str(directory / "config.json"))
+    int4 = read_quantization_config(cfg, where)
     partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -73,7 +82,7 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
         max_position_embeddings=_full_attention_span(cfg, arch),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
@@ -86,6 +95,7 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         name=name,
     )
+    return ModelConfig(**{**fields, **(gemma3_fields(cfg, where) if arch == "gemma3" else {})})
 
 
 def _experts(cfg: dict, arch: str) -> dict:
@@ -116,8 +126,12 @@ def _full_attention_span(cfg: dict, arch: str) -> int:
     """The context the model serves: max_position_embeddings, cut to the sliding window where the
     checkpoint uses one (Mistral's and Phi-3's `sliding_window`; Qwen's only with
     `use_sliding_window`). Every layer attends fully, which equals sliding-window attention on
-    sequences no longer than the window, so outputs stay the reference's."""
+    sequences no longer than the window, so outputs stay the reference's. Gemma 3's layers slide
+    for real (ModelConfig.sliding_layers): its context is not cut. Mistral / Phi-3 / Qwen keep the
+    cut because the Triton backend has no window: a real one would refuse them on GPUs."""
     span = cfg.get("max_position_embeddings", 2048)
+    if arch == "gemma3":
+        return span
     if arch == "llama4":  # chunked attention and NoPE temperature tuning both start past these
         span = min(span, cfg.get("attention_chunk_size") or span,
                    cfg.get("floor_scale", span + 1) - 1 if cfg.get("attn_temperature_tuning") else span)
@@ -162,7 +176,9 @@ _MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 def canonical_name(name: str) -> str:
     """A checkpoint tensor's name as loading knows it (Mixtral's experts and Llama 4's feed_forward
     renamed; others as they are)."""
-    name = name.removeprefix("language_model.")
+    name = name.removeprefix("language_model.")  # Llama 4's, transformers 4's Gemma 3 multimodal
+    if name.startswith("model.language_model."):  # transformers 5's Gemma3ForConditionalGeneration
+        name = "model." + name.removeprefix("model.language_model.")
     if ".feed_forward." in name:  # Llama 4
         name = name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")
     m = _MIXTRAL_EXPERT.fullmatch(name)

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from ferrylm.config import ModelConfig, QuantConfig
-from ferrylm.model.arch.layers import Linear
+from ferrylm.model.arch.gemma3 import Gemma3ForCausalLM
+from ferrylm.model.arch.layers import Linear, RotaryEmbedding
 from ferrylm.model.arch.llama import LlamaForCausalLM
 from ferrylm.model.attention.base import AttentionBackend
 from ferrylm.model.loaders.model_source import ModelLoadError, ModelSource
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     CheckpointTensor = torch.Tensor | GGUFTensor | Int4Tensor
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+# ModelConfig.architecture → its model class; every other architecture is LlamaForCausalLM
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"gemma3": Gemma3ForCausalLM}
 
 # checkpoint projection → (packed parameter, shard index)
 _PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -145,14 +149,20 @@ def load_model(checkpoint: CheckpointLike, dtype: torch.dtype, device: torch.dev
     each Linear's QuantMethod (chosen from `quantization`, see quant.select_quant_method) process it.
     `int8_activations`: packed weights' decode GEMVs quantize fp32 activations to int8 too."""
     config = checkpoint.config
+    if config.sliding_window and config.sliding_layers and not getattr(backend, "supports_sliding_window", False):
+        raise ModelLoadError(f"{checkpoint.source.path}: the model's sliding-window attention (window "
+                             f"{config.sliding_window}) is not supported by the {type(backend).__name__} attention "
+                             "backend (the CPU and torch backends support it)")
     kind = getattr(checkpoint.source, "kind", "hf")
     method = select_quant_method(quantization, kind, device, dtype, int8_activations, config.prequantized)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions, fused_ops, quant=method,
-                                 lm_head_quant=method.lm_head_method(), tp=tp)
+        model = MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)(
+            config, backend, max_positions, fused_ops, quant=method, lm_head_quant=method.lm_head_method(), tp=tp)
     model = _materialize(model.to(dtype), device)  # dtype cast on meta is free
     model.tie_weights()
-    model.rotary.build_table(device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_table(device)
     load_weights(model, checkpoint.weights(), str(checkpoint.source.path))
     model.process_weights_after_loading()
     return model.eval()

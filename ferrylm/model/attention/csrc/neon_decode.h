@@ -182,17 +182,19 @@ inline void decode_group(const float* q, int64_t G, int64_t D, int64_t S, Decode
 
 // Tasks [task0, task1) of paged decode attention, task = b * Hkv + kvh (the glue splits them across
 // threads). q, out: [B, H, D]; caches: [num_blocks, block_size, Hkv, D]; tables: [B, max_blocks];
-// query head h reads KV head h / (H / Hkv); scores are scaled by `scale`.
+// query head h reads KV head h / (H / Hkv); scores are scaled by `scale`. window > 0: only the last
+// `window` keys of each sequence (sliding-window layers); 0: all of them.
 inline void decode_attention_tasks(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
                                    const int64_t* seq_lens, float* out, int64_t H, int64_t Hkv, int64_t D,
                                    int64_t block_size, int64_t max_blocks, float scale, int64_t task0,
-                                   int64_t task1) {
+                                   int64_t task1, int64_t window = 0) {
   const int64_t G = H / Hkv;
   DecodeScratch s;
   s.q.resize(G * D);
   s.out.resize(G * D);
   for (int64_t task = task0; task < task1; ++task) {
-    const int64_t b = task / Hkv, kvh = task % Hkv, S = seq_lens[b];
+    const int64_t b = task / Hkv, kvh = task % Hkv, end = seq_lens[b];
+    const int64_t lo = window > 0 && end > window ? end - window : 0, S = end - lo;
     const int64_t first = (b * H + kvh * G) * D;  // the group's heads are adjacent in q and out
     if (S <= 0) {
       std::fill(out + first, out + first + G * D, 0.f);
@@ -201,8 +203,8 @@ inline void decode_attention_tasks(const float* q, const float* k_cache, const f
     const int64_t* table = tables + b * max_blocks;
     s.krows.resize(S);
     s.vrows.resize(S);
-    for (int64_t t = 0, blk = 0; t < S; ++blk)
-      for (int64_t i = 0, slot = table[blk] * block_size; i < block_size && t < S; ++i, ++t) {
+    for (int64_t t = 0, blk = lo / block_size, i = lo % block_size; t < S; ++blk, i = 0)
+      for (int64_t slot = table[blk] * block_size; i < block_size && t < S; ++i, ++t) {
         const int64_t at = ((slot + i) * Hkv + kvh) * D;
         s.krows[t] = k_cache + at;
         s.vrows[t] = v_cache + at;
@@ -216,9 +218,9 @@ inline void decode_attention_tasks(const float* q, const float* k_cache, const f
 // The whole batch on the calling thread: the generic decode_kernel's signature, fp32 only.
 inline void decode_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
                              const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                             int64_t block_size, int64_t max_blocks, float scale) {
+                             int64_t block_size, int64_t max_blocks, float scale, int64_t window = 0) {
   decode_attention_tasks(q, k_cache, v_cache, tables, seq_lens, out, H, Hkv, D, block_size, max_blocks, scale, 0,
-                         B * Hkv);
+                         B * Hkv, window);
 }
 
 }  // namespace ferry_neon

@@ -10,6 +10,9 @@
 // stored right after the codes in the same allocation. fp8 (e4m3 / e5m2): one fp32 per-tensor
 // scale, a row widened through a 256-entry table. int8: one fp16 scale per (token, KV head) row.
 // write_kv_quant_ quantizes this step's rows exactly as kv_quant.quantize does.
+//
+// Sliding-window layers (Gemma 3) pass window > 0: each sequence attends only to its last `window`
+// keys (positions S - window .. S - 1); every path starts its token loop there. 0: all keys.
 #include "neon_decode.h"
 #include "../../csrc/torch_lite.h"
 #include <ATen/Parallel.h>
@@ -22,6 +25,17 @@
 
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
+
+// The first key position a query at position S - 1 sees under `window` (0: no window).
+static inline int64_t window_start(int64_t S, int64_t window) { return window > 0 && S > window ? S - window : 0; }
+
+// slots[0, S - lo) <- the cache slots of positions lo .. S - 1 through a block table, with no division
+// per token (it cost ~40 cycles each).
+static inline void fill_slots(const int64_t* table, int64_t block_size, int64_t lo, int64_t S, int64_t* slots) {
+  int64_t n = 0;
+  for (int64_t t = lo, blk = lo / block_size, i = lo % block_size; t < S; ++blk, i = 0)
+    for (const int64_t base = table[blk] * block_size; i < block_size && t < S; ++i, ++t) slots[n++] = base + i;
+}
 
 // Widen one K/V row to fp32. The bf16 case is a plain 16-bit shift on the raw bits so the
 // compiler vectorises it (the generic conversion did not, and capped the kernel at ~4 GB/s).
@@ -297,26 +311,28 @@ static bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at
 template <typename scalar_t, typename Rows>
 static void decode_kernel(const scalar_t* q, const Rows& kr, const Rows& vr, const int64_t* tables,
                           const int64_t* seq_lens, scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                          int64_t block_size, int64_t max_blocks, float scale) {
+                          int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
   // One task per sequence: a cache row [Hkv, D] is contiguous, so reading all KV heads of a token
   // together uses every byte of each cache line (per-head tasks read a third of each line).
   const int64_t G = H / Hkv, W = Hkv * D;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), scores, row(W);
+    std::vector<int64_t> slots;
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t S = seq_lens[b];
-      const int64_t* table = tables + b * max_blocks;
+      const int64_t lo = window_start(seq_lens[b], window), S = seq_lens[b] - lo;
+      slots.resize(S);
+      fill_slots(tables + b * max_blocks, block_size, lo, seq_lens[b], slots.data());
       load_row(q + b * H * D, qf.data(), H * D);
       for (int64_t i = 0; i < H * D; ++i) qf[i] *= scale;
       scores.resize(H * S);
       for (int64_t t = 0; t < S; ++t) {
-        kr.load(table[t / block_size] * block_size + t % block_size, row.data());
+        kr.load(slots[t], row.data());
         for (int64_t h = 0; h < H; ++h) scores[h * S + t] = dot(qf.data() + h * D, row.data() + (h / G) * D, D);
       }
       for (int64_t h = 0; h < H; ++h) softmax_(scores.data() + h * S, S);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < S; ++t) {
-        vr.load(table[t / block_size] * block_size + t % block_size, row.data());
+        vr.load(slots[t], row.data());
         for (int64_t h = 0; h < H; ++h) axpy(scores[h * S + t], row.data() + (h / G) * D, acc.data() + h * D, D);
       }
       for (int64_t i = 0; i < H * D; ++i) out[b * H * D + i] = static_cast<scalar_t>(acc[i]);
@@ -407,7 +423,7 @@ static inline void prefetch_row(const T* r, int64_t bytes) {
 template <int NV, typename scalar_t, typename Rows>
 static void decode(const scalar_t* q, const Rows& kr, const Rows& vr, const int64_t* tables, const int64_t* seq_lens,
                    scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t block_size, int64_t max_blocks,
-                   float scale) {
+                   float scale, int64_t window) {
   constexpr int GB = 16 / NV;  // query heads held in registers at once (16 accumulators)
   constexpr int64_t D = 16 * NV;
   const int64_t G = H / Hkv;
@@ -418,12 +434,10 @@ static void decode(const scalar_t* q, const Rows& kr, const Rows& vr, const int6
     alignas(64) float mult[16];
     alignas(64) float res[GB][D];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, kvh = task % Hkv, S = seq_lens[b];
-      const int64_t* table = tables + b * max_blocks;
+      const int64_t b = task / Hkv, kvh = task % Hkv, lo = window_start(seq_lens[b], window), S = seq_lens[b] - lo;
       const int64_t S_pad = (S + 15) / 16 * 16;
       slots.resize(S);
-      for (int64_t t = 0, blk = 0; t < S; ++blk)  // no division per token: it cost ~40 cycles each
-        for (int64_t i = 0, base = table[blk] * block_size; i < block_size && t < S; ++i) slots[t++] = base + i;
+      fill_slots(tables + b * max_blocks, block_size, lo, seq_lens[b], slots.data());
       sc.assign((G + GB) * S_pad, 0.f);  // GB zero rows past the last head: weight 0 for a group's spare lanes
       for (int64_t g0 = 0; g0 < G; g0 += GB) {
         const int64_t gn = std::min<int64_t>(GB, G - g0);
@@ -499,13 +513,14 @@ static void decode(const scalar_t* q, const Rows& kr, const Rows& vr, const int6
 // Runs the fast path and returns true where it applies (head_dim 32 / 64 / 128, whole query groups).
 template <typename scalar_t, typename Rows>
 static bool try_decode(const torch::Tensor& q, const Rows& kr, const Rows& vr, const torch::Tensor& tables,
-                       const torch::Tensor& lens, torch::Tensor& out, int64_t Hkv, int64_t bs, float scale) {
+                       const torch::Tensor& lens, torch::Tensor& out, int64_t Hkv, int64_t bs, float scale,
+                       int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   if (H % Hkv != 0) return false;
   auto run = [&](auto nv) {
     decode<decltype(nv)::value, scalar_t>(q.data_ptr<scalar_t>(), kr, vr, tables.data_ptr<int64_t>(),
                                           lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, Hkv, bs,
-                                          tables.size(1), scale);
+                                          tables.size(1), scale, window);
     return true;
   };
   switch (D) {
@@ -718,17 +733,15 @@ static void decode_group(const float* q, const Rows& kr, const Rows& vr, const i
 template <typename scalar_t, typename Rows>
 static void decode(const scalar_t* q, const Rows& kr, const Rows& vr, const int64_t* tables, const int64_t* seq_lens,
                    scalar_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                   int64_t max_blocks, float scale) {
+                   int64_t max_blocks, float scale, int64_t window) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc, qs(G * D), res(G * D);
     std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, kvh = task % Hkv, S = seq_lens[b];
-      const int64_t* table = tables + b * max_blocks;
+      const int64_t b = task / Hkv, kvh = task % Hkv, lo = window_start(seq_lens[b], window), S = seq_lens[b] - lo;
       slots.resize(S);
-      for (int64_t t = 0, blk = 0; t < S; ++blk)  // no division per token (see the AVX-512 path)
-        for (int64_t i = 0, base = table[blk] * block_size; i < block_size && t < S; ++i) slots[t++] = base + i;
+      fill_slots(tables + b * max_blocks, block_size, lo, seq_lens[b], slots.data());
       const int64_t first = (b * H + kvh * G) * D;  // the group's heads are adjacent in q and out
       for (int64_t i = 0; i < G * D; ++i) qs[i] = static_cast<float>(q[first + i]) * scale;
       decode_group(qs.data(), kr, vr, slots.data(), S, kvh, G, D, sc, res.data());
@@ -740,11 +753,12 @@ static void decode(const scalar_t* q, const Rows& kr, const Rows& vr, const int6
 // Runs the fast path and returns true where it applies (head_dim 32 / 64 / 128, whole query groups).
 template <typename scalar_t, typename Rows>
 static bool try_decode(const torch::Tensor& q, const Rows& kr, const Rows& vr, const torch::Tensor& tables,
-                       const torch::Tensor& lens, torch::Tensor& out, int64_t Hkv, int64_t bs, float scale) {
+                       const torch::Tensor& lens, torch::Tensor& out, int64_t Hkv, int64_t bs, float scale,
+                       int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   if (H % Hkv != 0 || (D != 32 && D != 64 && D != 128)) return false;
   decode<scalar_t>(q.data_ptr<scalar_t>(), kr, vr, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                   out.data_ptr<scalar_t>(), B, H, Hkv, D, bs, tables.size(1), scale);
+                   out.data_ptr<scalar_t>(), B, H, Hkv, D, bs, tables.size(1), scale, window);
   return true;
 }
 
@@ -758,7 +772,8 @@ namespace fastpath {
 // The fast path for this cache's format, or false (the generic kernel runs instead).
 template <typename scalar_t>
 static bool fast_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                          const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale) {
+                          const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale,
+                          int64_t window) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
   } else {
@@ -769,7 +784,7 @@ static bool fast_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, 
     auto vs = reinterpret_cast<const c10::Half*>(scales_ptr(v_cache, slots * Hkv * 2));
     return try_decode<scalar_t>(q, Int8{static_cast<const int8_t*>(k_cache.data_ptr()), ks, Hkv, D},
                                 Int8{static_cast<const int8_t*>(v_cache.data_ptr()), vs, Hkv, D}, tables, lens, out,
-                                Hkv, bs, scale);
+                                Hkv, bs, scale, window);
   }
   if (is_fp8(cache_type)) {
     const float k_scale = *reinterpret_cast<const float*>(scales_ptr(k_cache, 4));
@@ -777,14 +792,15 @@ static bool fast_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, 
     if (cache_type == at::kFloat8_e4m3fn)
       return try_decode<scalar_t>(q, Fp8<true>{static_cast<const uint8_t*>(k_cache.data_ptr()), 256.f * k_scale, Hkv, D},
                                   Fp8<true>{static_cast<const uint8_t*>(v_cache.data_ptr()), 256.f * v_scale, Hkv, D},
-                                  tables, lens, out, Hkv, bs, scale);
+                                  tables, lens, out, Hkv, bs, scale, window);
     return try_decode<scalar_t>(q, Fp8<false>{static_cast<const uint8_t*>(k_cache.data_ptr()), k_scale, Hkv, D},
                                 Fp8<false>{static_cast<const uint8_t*>(v_cache.data_ptr()), v_scale, Hkv, D},
-                                tables, lens, out, Hkv, bs, scale);
+                                tables, lens, out, Hkv, bs, scale, window);
   }
   if (q.dtype() != k_cache.dtype()) return false;
   return try_decode<scalar_t>(q, Plain<scalar_t>{k_cache.data_ptr<scalar_t>(), Hkv, D},
-                              Plain<scalar_t>{v_cache.data_ptr<scalar_t>(), Hkv, D}, tables, lens, out, Hkv, bs, scale);
+                              Plain<scalar_t>{v_cache.data_ptr<scalar_t>(), Hkv, D}, tables, lens, out, Hkv, bs, scale,
+                              window);
   }
 }
 
@@ -794,25 +810,27 @@ static bool fast_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, 
 #if defined(__ARM_NEON) && !defined(FERRY_PORTABLE)
 // fp32 caches on ARM: neon_decode.h, one task per (sequence, KV head).
 static void decode_neon(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                        const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale) {
+                        const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale,
+                        int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads ", H, " are not a multiple of the KV heads ", Hkv);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     ferry_neon::decode_attention_tasks(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), H,
-                                       Hkv, D, bs, tables.size(1), scale, t0, t1);
+                                       Hkv, D, bs, tables.size(1), scale, t0, t1, window);
   });
 }
 #endif
 
 template <typename scalar_t>
 static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale) {
+                            const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out, float scale,
+                            int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
   const int64_t W = Hkv * D, slots = k_cache.size(0) * bs;
   auto run = [&](const auto& kr, const auto& vr) {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kr, vr, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                            out.data_ptr<scalar_t>(), B, H, Hkv, D, bs, tables.size(1), scale);
+                            out.data_ptr<scalar_t>(), B, H, Hkv, D, bs, tables.size(1), scale, window);
   };
   const auto cache_type = k_cache.scalar_type();
   if (cache_type == at::kChar) {
@@ -831,7 +849,8 @@ static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache
   } else {
     TORCH_CHECK(q.dtype() == k_cache.dtype(), "q and cache dtypes differ");
 #if defined(__ARM_NEON) && !defined(FERRY_PORTABLE)
-    if constexpr (std::is_same_v<scalar_t, float>) return decode_neon(q, k_cache, v_cache, tables, lens, out, scale);
+    if constexpr (std::is_same_v<scalar_t, float>)
+      return decode_neon(q, k_cache, v_cache, tables, lens, out, scale, window);
 #endif
     run(PlainRows<scalar_t>{k_cache.data_ptr<scalar_t>(), W}, PlainRows<scalar_t>{v_cache.data_ptr<scalar_t>(), W});
   }
@@ -839,9 +858,10 @@ static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache
 
 // q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, or quantized (int8,
 // fp8 e4m3 / e5m2, scales after the codes); block_tables: [B, max_blocks] int64; seq_lens: [B]
-// int64. Returns [B, H, D].
+// int64; window: keys per sequence, its last ones (0: all). Returns [B, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "k and v cache dtypes differ");
   auto tables = block_tables.to(torch::kInt64).contiguous();
@@ -849,9 +869,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
 #if defined(FERRY_FASTPATH)
-    if (fastpath::fast_dispatch<scalar_t>(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale))) return;
+    if (fastpath::fast_dispatch<scalar_t>(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale), window))
+      return;
 #endif
-    decode_dispatch<scalar_t>(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale));
+    decode_dispatch<scalar_t>(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale), window);
   });
   return out;
 }
@@ -926,7 +947,7 @@ void rope_qkv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, to
 // are registered in Python (cpu_kernels.py). FRAGMENT: other extensions may add ops to "ferrylm".
 TORCH_LIBRARY_FRAGMENT(FERRY_LIB, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0) -> Tensor");
   m.def("write_kv_quant_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rope_qkv_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
