@@ -128,3 +128,32 @@ def test_config_layouts_and_load_errors(gemma3, tmp_path):
     assert TritonBackend.supports_sliding_window is False
     with pytest.raises(ModelLoadError, match="sliding-window attention .window 8. is not supported by the"):
         load_model(Checkpoint(resolve_model(directory)), torch.float32, torch.device("cpu"), object())
+
+
+def test_multimodal_checkpoint_serves_its_language_model(gemma3, tmp_path):
+    """Gemma3ForConditionalGeneration: text_config listing only what differs from Gemma3TextConfig's
+    defaults, weights under model.language_model. (transformers 5) or language_model.model.
+    (transformers 4), vision tensors beside them (not read): the text-only checkpoint's weights."""
+    from safetensors.torch import load_file, save_file
+
+    from ferrylm.model.attention.torch_native import TorchNativeBackend
+    from ferrylm.model.loaders.loader import Checkpoint, load_model
+    from ferrylm.model.loaders.model_source import resolve_model
+
+    directory, _ = gemma3
+    text = json.loads((Path(directory) / "config.json").read_text())
+    weights = load_file(str(Path(directory) / "model.safetensors"))
+    want = load_model(Checkpoint(resolve_model(directory)), torch.float32, torch.device("cpu"), TorchNativeBackend())
+    defaults = {"hidden_activation", "rms_norm_eps", "tie_word_embeddings", "attn_logit_softcapping"}
+    for prefix in ("model.language_model.", "language_model.model."):
+        mm = tmp_path / prefix.replace(".", "_")
+        mm.mkdir()
+        (mm / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                    "text_config": {k: v for k, v in text.items()
+                                                                    if k not in defaults}}))
+        save_file({**{prefix + k.removeprefix("model."): v for k, v in weights.items()},
+                   "model.vision_tower.patch.weight": torch.ones(2, 2)}, str(mm / "model.safetensors"))
+        got = load_model(Checkpoint(resolve_model(str(mm))), torch.float32, torch.device("cpu"), TorchNativeBackend())
+        assert got.config.sliding_layers == want.config.sliding_layers
+        for (name, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
+            assert torch.equal(a, b), name
