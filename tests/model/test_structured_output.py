@@ -183,3 +183,28 @@ def test_a_killed_compile_worker_is_replaced_by_a_ready_spare_before_the_next_co
         assert compiler.submit(Spec(choice=("yes", "no"))).result(60) is not None  # the next spare serves
     finally:
         compiler.shutdown()
+
+
+@requires_smollm2
+def test_a_compile_worker_runs_below_the_serving_threads() -> None:
+    """A grammar worker at the engine's priority stretched 25 ms decode steps to seconds on a 2-core
+    CPU (OpenMP barriers wait for a descheduled thread); it runs at nice +19, and so would inductor's
+    compile pool below the decode-graph worker (same helper)."""
+    import os
+
+    import xgrammar
+
+    from ferrylm.model.background_priority import NICENESS
+    from ferrylm.model.loaders.model_source import resolve_model
+    from ferrylm.model.structured.grammar_worker import CompileWorker, tokenizer_info_json
+    from ferrylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model("smollm2-135m"))
+    info = xgrammar.TokenizerInfo.from_huggingface(tok.hf, vocab_size=len(tok.hf))
+    worker = CompileWorker(tokenizer_info_json(info))
+    try:
+        worker.wait_ready()
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == NICENESS
+        assert worker.compile("regex", "[a-z]{3}", True, 30.0, lambda: False)
+    finally:
+        worker.kill()

@@ -23,10 +23,9 @@ import threading
 import time
 
 from ferrylm.config import EngineConfig
+from ferrylm.model.background_priority import yield_cpu_to_serving
 
 log = logging.getLogger("ferrylm.compile")
-
-NICENESS = 10  # serving traffic first: the compile is a later speed-up, not a gate
 
 
 def compile_in_child(config: EngineConfig) -> bool:
@@ -34,8 +33,8 @@ def compile_in_child(config: EngineConfig) -> bool:
     graph into the disk cache. Waiting releases the GIL."""
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.compile.compile_worker"], stdin=subprocess.PIPE)
-    log.info("compiling the decode graphs in a child process (pid %d, nice +%d); steps run eagerly meanwhile",
-             proc.pid, NICENESS)
+    log.info("compiling the decode graphs in a child process (pid %d, below serving threads); steps run eagerly "
+             "meanwhile", proc.pid)
     assert proc.stdin is not None
     # the child needs the model and the KV pool's shape only: no host blocks, and not the disk tier's
     # directory, which one process holds at a time
@@ -61,7 +60,7 @@ def _exit_with_parent(parent: int) -> None:
 def main() -> None:
     config, parent = pickle.loads(sys.stdin.buffer.read())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s compile-worker %(name)s: %(message)s")
-    os.nice(NICENESS)
+    yield_cpu_to_serving()  # serving traffic first: the compile is a later speed-up, not a gate
     threading.Thread(target=_exit_with_parent, args=(parent,), name="parent-watch", daemon=True).start()
     from ferrylm.model.parallel.tp_worker import build_runner
 

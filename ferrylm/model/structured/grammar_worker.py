@@ -1,6 +1,7 @@
 """A grammar compile in a child process, so it can be stopped: xgrammar's compile cannot be
 interrupted inside a thread, and a schema built to compile for minutes would hold the compiler (and
-a core) for everyone. The child runs at a lower CPU priority (decode steps come first), compiles
+a core) for everyone. The child runs below every serving thread (background_priority.py: decode
+steps come first), compiles
 one constraint at a time and sends back xgrammar's serialized CompiledGrammar; the parent kills it
 when the compile's budget runs out or its last waiter left, and starts a fresh one for the next.
 A worker says "ready" once xgrammar is imported and the tokenizer loaded (~4-5 s): a compile's
@@ -9,7 +10,6 @@ budget is counted from then, so a slow start never turns a small schema into a t
 from __future__ import annotations
 
 import json
-import os
 import select
 import subprocess
 import sys
@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-NICE = 10  # below the engine's own threads
+from ferrylm.model.background_priority import yield_cpu_to_serving
+
 STARTUP_TIMEOUT_S = 120.0  # importing xgrammar and loading a 150k-token vocabulary on a loaded machine
 
 
@@ -49,10 +50,7 @@ def _recv(stream: IO[bytes]) -> Any:
 def _serve() -> None:
     """The child (`python -m ferrylm.model.structured.grammar_worker`): the tokenizer info first, then each
     [kind, payload, any_whitespace] → ["ok", serialized grammar] or ["error", message]."""
-    try:
-        os.nice(NICE)
-    except OSError:
-        pass
+    yield_cpu_to_serving()
     import xgrammar
 
     inp, out = sys.stdin.buffer, sys.stdout.buffer
@@ -112,6 +110,10 @@ class CompileWorker:
         if not self._ready:
             self.kill()
             raise WorkerStartFailed()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     @property
     def alive(self) -> bool:
