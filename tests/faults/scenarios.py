@@ -278,7 +278,7 @@ async def sigterm_under_load(server: ServerProcess, key: str, scale: int = 1) ->
         inflight = [asyncio.create_task(send(http, "/v1/chat/completions",
                                              chat_body(f"Recipe {i}", 64, ignore_eos=True), bearer(key)))
                     for i in range(8 * scale)]
-        await _until_in_engine(server, len(inflight))  # a loaded machine may take seconds to admit them
+        await _until_in_engine(server, inflight)  # a loaded machine may take seconds to admit them
         server.proc.send_signal(signal.SIGTERM)
         late = []
         for i in range(8 * scale):
@@ -294,12 +294,14 @@ async def sigterm_under_load(server: ServerProcess, key: str, scale: int = 1) ->
     return ledger
 
 
-async def _until_in_engine(server: ServerProcess, n: int, timeout_s: float = 60.0) -> None:
-    """Wait until `n` requests are running or waiting in the engine (or `timeout_s` passed)."""
+async def _until_in_engine(server: ServerProcess, tasks: list[asyncio.Task], timeout_s: float = 60.0) -> None:
+    """Wait until every request of `tasks` is running or waiting in the engine or already answered
+    (admission sheds some on a loaded machine: those never enter), or `timeout_s` passed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = await asyncio.to_thread(server.metrics)
-        if m["ferrylm:num_requests_running"] + m["ferrylm:num_requests_waiting"] >= n:
+        answered = sum(t.done() for t in tasks)
+        if m["ferrylm:num_requests_running"] + m["ferrylm:num_requests_waiting"] + answered >= len(tasks):
             return
         await asyncio.sleep(0.05)
 

@@ -66,7 +66,11 @@ def test_default_gguf_model_is_kept_packed(llm_fp32):
 
 
 def test_greedy_packed_vs_dequantized_bf16(prompt_ids):
-    assert len(prompt_ids) >= 8
+    """On the first 4 prompts, one batch of max_num_seqs=4 (bf16 on a CPU without AVX512-BF16 is
+    emulated: the 9 prompts took 65 s of CI); test_quant_perplexity (perplexity within 1%) is the
+    broad check."""
+    prompt_ids = prompt_ids[:4]
+    assert len(prompt_ids) == 4
     packed, _ = _greedy_small_batches(None, prompt_ids)
     dequantized, tops = _greedy_small_batches("none", prompt_ids, logprobs=5)
     prefixes = [next((i for i, (a, b) in enumerate(zip(p, d)) if a != b), NEW_TOKENS)
