@@ -207,3 +207,41 @@ def test_compressed_tensors_schemes_other_than_w4a16_are_errors_naming_the_field
         config_path.write_text(json.dumps(good | {"quantization_config": changed}))
         with pytest.raises(ModelLoadError, match=message):
             Checkpoint(resolve_model(str(qdir)))
+
+
+def test_tp2_keeps_the_files_codes_and_equals_tp1(tmp_path):
+    """Tensor parallelism (gloo, 2 ranks) on an int4 checkpoint: each rank keeps its slice of the file's
+    codes (column-parallel rows anywhere, row-parallel inputs at group boundaries) and greedy tokens and
+    logprobs equal TP=1's. GPTQ only: every format is one Int4Tensor once unpacked, and that is what
+    is sliced (a TP engine start costs CI ~12 s)."""
+    from ferrylm import LLM
+
+    method = "gptq"
+    qdir, _, codes = _quantized_pair(tmp_path, method)
+    directory = str(add_word_tokenizer(qdir))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": [5, 9, 33, 70, 100 + i] * (1 + 3 * i)} for i in range(3)]
+    plain = LLM(directory, dtype="float32", enforce_eager=True)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    plain.shutdown()
+    tp = LLM(directory, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16, enforce_eager=True)
+    try:
+        got = tp.generate(prompts, params, use_tqdm=False)
+        down = tp.engine.executor.runner.model.layers[1].mlp.down_proj
+        assert down.quant.name == method
+        file_codes = codes["model.layers.1.mlp.down_proj"]  # [N, K]: rank 0 holds inputs 0..K/2
+        assert torch.equal(unpack_q4(down.packed.codes)[:file_codes.shape[0]], file_codes[:, :file_codes.shape[1] // 2])
+    finally:
+        tp.shutdown()
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-4
+
+
+def test_tp_of_an_act_order_checkpoint_is_an_error_naming_it(tmp_path):
+    from ferrylm import LLM
+
+    qdir, _, _ = _quantized_pair(tmp_path, "gptq", act_order="own")
+    with pytest.raises(Exception, match="act-order .*cannot be split over --tensor-parallel-size 2"):
+        LLM(str(add_word_tokenizer(qdir)), dtype="float32", tensor_parallel_size=2, enforce_eager=True)

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ferrylm.config import ConfigError, ModelConfig
+from ferrylm.model.loaders.int4_checkpoint import Int4Tensor
+from ferrylm.model.loaders.model_source import ModelLoadError
 
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective a peer never joins (a dead rank) fails after this
 
@@ -55,9 +57,8 @@ def shard_plan(config: ModelConfig, rank: int, world: int, expert_parallel: bool
     """Heads, intermediate columns and vocabulary rows of one rank; with `expert_parallel`, whole
     experts (a contiguous share of them) instead of every expert's columns. A ConfigError when the
     model cannot be split that many ways."""
-    if config.prequantized or config.architecture in ("llama4", "gemma3"):
-        what = f"{config.prequantized} checkpoints" if config.prequantized else \
-            {"llama4": "Llama 4", "gemma3": "Gemma 3"}[config.architecture]
+    if config.architecture in ("llama4", "gemma3"):
+        what = {"llama4": "Llama 4", "gemma3": "Gemma 3"}[config.architecture]
         raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of {what} is not supported yet; "
                           "run with --tensor-parallel-size 1")
     heads, kv = config.num_heads, config.num_kv_heads
@@ -126,12 +127,36 @@ def shard_index(name: str, config: ModelConfig, shard: TPShard) -> tuple[slice |
     return None, None  # norms (and an o_proj / down bias, which no supported architecture has)
 
 
+def slice_int4(tensor: Int4Tensor, rows: slice | None, cols: slice | None, name: str, world: int) -> Int4Tensor:
+    """One rank's part of a pre-quantized int4 weight, its codes still the file's. Rows (outputs) cut
+    anywhere; columns (inputs of a row-parallel o_proj / down) only at group boundaries, and not
+    under act-order, whose groups gather inputs from the whole row (a slice would hold part of
+    every group): those are ModelLoadErrors naming the field."""
+    if rows is not None:
+        tensor = replace(tensor, codes=tensor.codes[rows].contiguous(), scales=tensor.scales[rows].contiguous(),
+                         mins=tensor.mins[rows].contiguous())
+    if cols is None:
+        return tensor
+    if tensor.perm is not None:
+        raise ModelLoadError(f"{name}: an act-order (desc_act / actorder) int4 checkpoint cannot be split over "
+                             f"--tensor-parallel-size {world}: its groups span the whole input; run with "
+                             "--tensor-parallel-size 1 or use a checkpoint quantized without act-order")
+    g = tensor.group
+    if cols.start % g or cols.stop % g:
+        raise ModelLoadError(f"{name}: --tensor-parallel-size {world} splits its {tensor.shape[1]} inputs at "
+                             f"{cols.start}..{cols.stop}, not at multiples of the checkpoint's group_size {g}")
+    groups = slice(cols.start // g, cols.stop // g)
+    return replace(tensor, codes=tensor.codes[:, cols].contiguous(), scales=tensor.scales[:, groups].contiguous(),
+                   mins=tensor.mins[:, groups].contiguous())
+
+
 class ShardedCheckpoint:
     """Quacks like loader.Checkpoint for one rank: the local config and its slices of every weight, as
     float tensors. Safetensors are read a slice at a time (only the rank's bytes); GGUF row slices are
     cut from the blocks before dequantizing, column slices (o_proj, down) after. The rank then holds
     float weights (or re-quantizes them with --quantization int8 / int4): GGUF blocks are not kept
-    packed under TP."""
+    packed under TP. An AWQ / GPTQ / compressed-tensors checkpoint is unpacked whole, then each int4
+    weight is sliced with its codes kept (slice_int4)."""
 
     def __init__(self, checkpoint: Any, shard: TPShard):
         self.full_config: ModelConfig = checkpoint.config
@@ -142,14 +167,19 @@ class ShardedCheckpoint:
 
     def weights(self):
         source = self._checkpoint.source
-        # a checkpoint with fused projections (Phi-3) goes through the loader's split, then is sliced
-        if getattr(source, "kind", None) == "hf" and self.full_config.architecture != "phi3":
+        # a checkpoint with fused projections (Phi-3) goes through the loader's split, an int4 one
+        # through its unpacking (int4_checkpoint.py), then each is sliced
+        if getattr(source, "kind", None) == "hf" and self.full_config.architecture != "phi3" and \
+                not self.full_config.prequantized:
             yield from self._safetensors_slices(source.path)
             return
         for name, tensor in self._checkpoint.weights():
             if not holds(name, self.shard):
                 continue
             rows, cols = shard_index(name, self.full_config, self.shard)
+            if isinstance(tensor, Int4Tensor):  # the file's codes, kept: slices of whole groups
+                yield name, slice_int4(tensor, rows, cols, name, self.shard.world)
+                continue
             if not isinstance(tensor, torch.Tensor):  # GGUF blocks: rows are independent byte rows
                 if rows is not None:
                     data = tensor.data[rows]
