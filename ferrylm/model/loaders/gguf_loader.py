@@ -18,10 +18,13 @@ import torch
 
 from ferrylm.config import ModelConfig
 from ferrylm.model.loaders.gguf_dequant import BLOCK_SIZES, GGMLType, as_bytes, dequantize
+from ferrylm.model.loaders.gguf_gemma3 import LAYER_NAMES as GEMMA3_LAYER_NAMES
+from ferrylm.model.loaders.gguf_gemma3 import NORM_SHIFT as GEMMA3_NORM_SHIFT
+from ferrylm.model.loaders.gguf_gemma3 import gemma3_gguf_fields
 from ferrylm.model.loaders.model_source import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen3moe": "qwen3_moe"}
+                      "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -182,7 +185,9 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
                        norm_topk_prob=bool(key("expert_weights_norm", True)))
     heads = key("attention.head_count")
     hidden = key("embedding_length")
-    num_tokens = gguf.field_len("tokenizer.ggml.tokens")
+    head_dim = key("attention.key_length") or hidden // heads
+    gemma3 = arch == "gemma3"
+    extra = gemma3_gguf_fields(key, key("block_count"), hidden, heads, head_dim, str(gguf.path)) if gemma3 else {}
     scaling = None
     if key("rope.scaling.type") in ("linear",):
         scaling = (("factor", key("rope.scaling.factor")), ("rope_type", "linear"))
@@ -191,32 +196,42 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     eos = gguf.field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="mixtral" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch],
-        vocab_size=key("vocab_size") or cast(int, num_tokens),  # a GGUF model carries its vocabulary
+        vocab_size=_vocab_size(gguf, key("vocab_size")),
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
         num_layers=key("block_count"),
         num_heads=heads,
         num_kv_heads=key("attention.head_count_kv", heads),
-        head_dim=key("attention.key_length") or hidden // heads,
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=key("rope.freq_base", 10000.0),
+        head_dim=head_dim,
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6 if gemma3 else 1e-5),
+        rope_theta=key("rope.freq_base", 1_000_000.0 if gemma3 else 10000.0),  # transformers' defaults
         rope_scaling=scaling,
         max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in gguf.tensor_names(),
         attention_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "qwen3moe"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         **experts,
+        **extra,
         bos_token_id=gguf.field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
         name=name,
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _vocab_size(gguf: GGUFFile, declared: int | None) -> int:
+    """The embedding's rows (llama.cpp's Gemma 3 converter drops the config's padding rows past the
+    tokenizer's), else the declared vocab_size, else the vocabulary's length."""
+    embedding = next((t for t in gguf.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and len(embedding.shape) == 2:
+        return embedding.shape[1]  # GGUF order: [hidden, vocab]
+    return declared or cast(int, gguf.field_len("tokenizer.ggml.tokens"))  # a GGUF model carries its vocabulary
+
+
+def _hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{suffix}"
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
@@ -284,17 +299,21 @@ def _raw_tensor(gguf: GGUFFile, t: TensorInfo) -> GGUFTensor | torch.Tensor:
 
 def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor | torch.Tensor]]:
     """Yield (HF checkpoint name, tensor) for every tensor the model uses: 2-D tensors as GGUFTensor
-    (Q/K rows already un-permuted), 1-D ones as float32."""
+    (Q/K rows already un-permuted), 1-D ones as float32 (Gemma 3's norms without llama.cpp's +1)."""
     permute = config.architecture in ("llama", "mistral", "mixtral")
+    gemma3 = config.architecture == "gemma3"
+    layer_names = {**_LAYER_NAMES, **GEMMA3_LAYER_NAMES} if gemma3 else _LAYER_NAMES
     for t in gguf.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", t.name)
         if m:
             yield from _expert_tensors(gguf, t, m.group(1), _EXPERT_NAMES[m.group(2)])
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, layer_names)
         if name is None:
             continue
         w = _raw_tensor(gguf, t)
+        if gemma3 and name.endswith("norm.weight"):  # 1-D: a float32 tensor
+            w = cast(torch.Tensor, w) - GEMMA3_NORM_SHIFT
         # q / k projections are 2-D: GGUFTensors
         if permute and name.endswith("q_proj.weight"):
             w = cast(GGUFTensor, w).with_rows(unpermute_qk(w.data, config.num_heads))
