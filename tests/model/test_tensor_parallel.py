@@ -36,8 +36,9 @@ def _compare(plain: LLM, tp: LLM, prompts: list, params: SamplingParams = PARAMS
 # its uneven 6/3 head split is in the test below.
 @pytest.mark.parametrize("kind, overrides, expert_parallel", [
     ("qwen2", {}, False), ("mistral", {}, False), ("llama", {"num_key_value_heads": 1}, False),
-    ("qwen3_moe", {}, False), ("mixtral", {}, False), ("qwen3_moe", {}, True), ("phi3", {}, False)],
-    ids=["qwen2", "mistral", "llama-1-kv-head", "qwen3-moe", "mixtral", "qwen3-moe-expert-parallel", "phi3"])
+    ("qwen3_moe", {}, False), ("mixtral", {}, False), ("qwen3_moe", {}, True), ("phi3", {}, False),
+    ("gemma3", {"num_attention_heads": 4, "num_key_value_heads": 2}, False)],
+    ids=["qwen2", "mistral", "llama-1-kv-head", "qwen3-moe", "mixtral", "qwen3-moe-expert-parallel", "phi3", "gemma3"])
 def test_tp2_equals_tp1_on_tiny_models(tmp_path, kind, overrides, expert_parallel):
     """MoE: each expert's columns split over the ranks, or (expert parallel) whole experts placed on
     them; the tiny Qwen3-MoE has a dense layer 0, split like any MLP either way."""

@@ -57,9 +57,8 @@ def shard_plan(config: ModelConfig, rank: int, world: int, expert_parallel: bool
     """Heads, intermediate columns and vocabulary rows of one rank; with `expert_parallel`, whole
     experts (a contiguous share of them) instead of every expert's columns. A ConfigError when the
     model cannot be split that many ways."""
-    if config.architecture in ("llama4", "gemma3"):
-        what = {"llama4": "Llama 4", "gemma3": "Gemma 3"}[config.architecture]
-        raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of {what} is not supported yet; "
+    if config.architecture == "llama4":
+        raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of Llama 4 is not supported yet; "
                           "run with --tensor-parallel-size 1")
     heads, kv = config.num_heads, config.num_kv_heads
     group = heads // kv
