@@ -49,6 +49,7 @@ class TPShard:
     kv_heads: range
     intermediate: range
     expert_intermediate: range  # each expert's columns this rank keeps (MoE: experts split like the MLP)
+    shared_intermediate: range  # the shared expert's columns (Llama 4), split like the MLP
     vocab: range
     experts: range | None = None  # expert parallelism: the experts this rank holds whole; None: all
 
@@ -57,9 +58,6 @@ def shard_plan(config: ModelConfig, rank: int, world: int, expert_parallel: bool
     """Heads, intermediate columns and vocabulary rows of one rank; with `expert_parallel`, whole
     experts (a contiguous share of them) instead of every expert's columns. A ConfigError when the
     model cannot be split that many ways."""
-    if config.architecture == "llama4":
-        raise ConfigError(f"--tensor-parallel-size {world}: tensor parallelism of Llama 4 is not supported yet; "
-                          "run with --tensor-parallel-size 1")
     heads, kv = config.num_heads, config.num_kv_heads
     group = heads // kv
     if world <= kv:
@@ -88,7 +86,8 @@ def shard_plan(config: ModelConfig, rank: int, world: int, expert_parallel: bool
             raise ConfigError(f"--enable-expert-parallel: {world} ranks for {config.num_experts} experts")
         experts, expert_columns = _split(config.num_experts, world, rank), range(config.moe_intermediate_size)
     return TPShard(rank, world, q_heads, kv_heads, _split(config.intermediate_size, world, rank), expert_columns,
-                   _split(config.vocab_size, world, rank), experts)
+                   _split(config.shared_expert_intermediate_size, world, rank), _split(config.vocab_size, world, rank),
+                   experts)
 
 
 def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
@@ -96,6 +95,7 @@ def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
     return replace(config, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads),
                    intermediate_size=len(shard.intermediate), vocab_size=len(shard.vocab),
                    moe_intermediate_size=len(shard.expert_intermediate),
+                   shared_expert_intermediate_size=len(shard.shared_intermediate),
                    local_experts=None if shard.experts is None else tuple(shard.experts))
 
 
@@ -111,7 +111,8 @@ def shard_index(name: str, config: ModelConfig, shard: TPShard) -> tuple[slice |
     d = config.head_dim
     q = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
     kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
-    own = shard.expert_intermediate if ".experts." in name else shard.intermediate
+    own = shard.expert_intermediate if ".experts." in name else \
+        shard.shared_intermediate if ".shared_expert." in name else shard.intermediate
     inter = slice(own.start, own.stop)
     vocab = slice(shard.vocab.start, shard.vocab.stop)
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter,
@@ -166,9 +167,10 @@ class ShardedCheckpoint:
 
     def weights(self):
         source = self._checkpoint.source
-        # a checkpoint with fused projections (Phi-3) goes through the loader's split, an int4 one
-        # through its unpacking (int4_checkpoint.py), then each is sliced
-        if getattr(source, "kind", None) == "hf" and self.full_config.architecture != "phi3" and \
+        # a checkpoint with fused projections goes through the loader's split
+        # (Phi-3, Llama 4's fused experts and interleaved q/k rows) or an int4 one through its unpacking
+        # (int4_checkpoint.py), then each is sliced
+        if getattr(source, "kind", None) == "hf" and self.full_config.architecture not in ("phi3", "llama4") and \
                 not self.full_config.prequantized:
             yield from self._safetensors_slices(source.path)
             return
