@@ -34,9 +34,11 @@ def _compare(plain: LLM, tp: LLM, prompts: list, params: SamplingParams = PARAMS
 
 # Llama is covered by its hardest case (1 KV head: replicated across the ranks); SmolLM2 (Llama) with
 # its uneven 6/3 head split is in the test below.
+# Mistral (Llama's layers) and Mixtral (Qwen3-MoE's MoE block) are test-long: CI's 25 minutes.
 @pytest.mark.parametrize("kind, overrides, expert_parallel", [
-    ("qwen2", {}, False), ("mistral", {}, False), ("llama", {"num_key_value_heads": 1}, False),
-    ("qwen3_moe", {}, False), ("mixtral", {}, False), ("qwen3_moe", {}, True), ("phi3", {}, False),
+    ("qwen2", {}, False), pytest.param("mistral", {}, False, marks=pytest.mark.long),
+    ("llama", {"num_key_value_heads": 1}, False), ("qwen3_moe", {}, False),
+    pytest.param("mixtral", {}, False, marks=pytest.mark.long), ("qwen3_moe", {}, True), ("phi3", {}, False),
     ("gemma3", {"num_attention_heads": 4, "num_key_value_heads": 2}, False), ("llama4", {}, True)],
     ids=["qwen2", "mistral", "llama-1-kv-head", "qwen3-moe", "mixtral", "qwen3-moe-expert-parallel", "phi3", "gemma3",
          "llama4-expert-parallel"])
