@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ferrylm import SamplingParams
-from tests.model.tiny_models import add_word_tokenizer, make_tiny_model
+from tests.model.tiny_models import add_word_tokenizer, make_tiny_model, transformers_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,14 +21,7 @@ SHARED = [5, 9, 33, 70, 41, 18, 27, 64, 12, 90, 101, 7, 55, 38, 29, 77, 150, 3] 
 
 def _greedy_reference(directory, prompt: list[int]) -> tuple[list[int], list[float]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            row = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-            token = int(row.argmax())
-            ids.append(token)
-            logprobs.append(row[token].item())
-    return ids[len(prompt):], logprobs
+    return transformers_greedy(model, prompt, TOKENS)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "phi3", "mixtral", "qwen3_moe", "llama4"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ferrylm import SamplingParams
-from tests.model.tiny_models import add_word_tokenizer, make_tiny_model
+from tests.model.tiny_models import add_word_tokenizer, make_tiny_model, transformers_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,15 +31,8 @@ def gemma3(tmp_path_factory):
 
 
 def _greedy_reference(directory, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy loop, the whole sequence every step (its sliding-window mask each time)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            row = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-            ids.append(int(row.argmax()))
-            logprobs.append(row[ids[-1]].item())
-    return ids[len(prompt):], logprobs
+    return transformers_greedy(model, prompt, TOKENS)
 
 
 def _generate(directory: str, prompts: list[list[int]], **kw):

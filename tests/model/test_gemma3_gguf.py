@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ferrylm import SamplingParams
-from tests.model.tiny_models import add_word_tokenizer, make_tiny_model
+from tests.model.tiny_models import add_word_tokenizer, make_tiny_model, transformers_greedy
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -100,14 +100,7 @@ def _write_gguf(path: Path, directory: Path, kind_of: Callable[[str], object], t
 
 
 def _greedy_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy loop, the whole sequence every step."""
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            row = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-            ids.append(int(row.argmax()))
-            logprobs.append(row[ids[-1]].item())
-    return ids[len(prompt):], logprobs
+    return transformers_greedy(model, prompt, TOKENS)
 
 
 def _hf_model(directory: Path):

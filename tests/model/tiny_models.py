@@ -82,3 +82,15 @@ def add_word_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
         str(directory))
     return directory
+
+
+def transformers_greedy(model, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
+    """The reference: transformers' greedy loop over the whole sequence every step (no KV cache, so its
+    masks, a sliding window's too, are rebuilt each time); (new tokens, their logprobs)."""
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(tokens):
+            row = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            ids.append(int(row.argmax()))
+            logprobs.append(row[ids[-1]].item())
+    return ids[len(prompt):], logprobs
