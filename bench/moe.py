@@ -86,11 +86,12 @@ def transformers_decode(model, batch: int) -> float:
 @torch.inference_mode()
 def moe_profile(llm: LLM, rows: int = 16) -> dict[str, float]:
     """ms per decode step, summed over every MoE block, of each phase (one block's forward re-run
-    by hand with timers, on `rows` random activations)."""
+    by hand with timers, on `rows` random activations of the model's dtype)."""
     from ferrylm.model.arch.moe import SparseMoeBlock
 
     blocks = [m for m in llm.engine.executor.model.modules() if isinstance(m, SparseMoeBlock)]
-    x = torch.randn(rows, SHAPE["hidden_size"], dtype=torch.bfloat16)
+    gate = blocks[0].gate  # the router: the model's hidden size and activation dtype
+    x = torch.randn(rows, gate.in_features, dtype=gate.weight.dtype)
     phases = dict.fromkeys(("router + top-k", "grouping", "expert GEMMs", "scatter-add"), 0.0)
     for _ in range(3):  # warm, then the last two counted
         for key in phases:
