@@ -18,18 +18,13 @@ from ferrylm import LLM, SamplingParams
 from ferrylm.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from ferrylm.model.parallel.tp import shard_plan
 from tests.conftest import requires_smollm2
-from tests.model.tiny_models import add_word_tokenizer, make_tiny_model
+from tests.model.tiny_models import add_word_tokenizer, assert_same_greedy, make_tiny_model
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
 
 
 def _compare(plain: LLM, tp: LLM, prompts: list, params: SamplingParams = PARAMS) -> None:
-    a, b = plain.generate(prompts, params, use_tqdm=False), tp.generate(prompts, params, use_tqdm=False)
-    for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for la, lb in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert la.keys() == lb.keys()
-            assert max(abs(la[t] - lb[t]) for t in la) < 1e-4
+    assert_same_greedy(plain.generate(prompts, params, use_tqdm=False), tp.generate(prompts, params, use_tqdm=False))
 
 
 # Llama is covered by its hardest case (1 KV head: replicated across the ranks); SmolLM2 (Llama) with

@@ -94,3 +94,11 @@ def transformers_greedy(model, prompt: list[int], tokens: int) -> tuple[list[int
             ids.append(int(row.argmax()))
             logprobs.append(row[ids[-1]].item())
     return ids[len(prompt):], logprobs
+
+
+def assert_same_greedy(want: list, got: list, tolerance: float = 1e-4) -> None:
+    """Two engines' RequestOutputs: the same tokens, the same top logprob keys, values within `tolerance`."""
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < tolerance

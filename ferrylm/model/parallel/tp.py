@@ -167,9 +167,8 @@ class ShardedCheckpoint:
 
     def weights(self):
         source = self._checkpoint.source
-        # a checkpoint with fused projections goes through the loader's split
-        # (Phi-3, Llama 4's fused experts and interleaved q/k rows) or an int4 one through its unpacking
-        # (int4_checkpoint.py), then each is sliced
+        # what the loader must reshape first is read whole, then sliced: fused projections (Phi-3),
+        # Llama 4's fused experts and interleaved q/k rows, an int4 checkpoint's packing (int4_checkpoint.py)
         if getattr(source, "kind", None) == "hf" and self.full_config.architecture not in ("phi3", "llama4") and \
                 not self.full_config.prequantized:
             yield from self._safetensors_slices(source.path)
