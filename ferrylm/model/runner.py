@@ -93,8 +93,7 @@ class ModelRunner:
         self.samples = tp is None or tp.rank == 0  # rank 0 samples; the others only join the collectives
         load_from = checkpoint if self.tp is None else ShardedCheckpoint(checkpoint, self.tp.shard)
         self.local_config: ModelConfig = load_from.config  # this rank's heads and widths (all of them without TP)
-        # collectives are not captured into graphs; an MoE step's expert groups are data-dependent
-        enforce_eager = enforce_eager or self.tp is not None or checkpoint.config.num_experts > 0
+        enforce_eager = enforce_eager or self.tp is not None  # collectives are not captured into graphs
         serves_lora = lora is not None and lora.enable_lora
         enforce_eager = enforce_eager or serves_lora  # the compiled step and graphs hold no adapter deltas
         self.device, self.dtype = device, dtype
@@ -112,6 +111,9 @@ class ModelRunner:
         self.model: LlamaForCausalLM = load_model(load_from, dtype, device, self.attn_backend, max_model_len,
                                                    cpu_fused_ops(device), quantization, self.tp, int8_activations)
         self.max_model_len, self.attention_kind = max_model_len, attention
+        # an MoE step traces as one graph only where every MoE layer runs the fused op (arch/moe.py): the
+        # per-expert loop's groups are data-dependent
+        enforce_eager = enforce_eager or not all(b.fused_for(dtype) for b in self.model.moe_blocks())
         self.lora = LoRAManager(self.model, lora, self.config, dtype, device, self.local_config,
                                 None if self.tp is None else self.tp.shard) if lora and serves_lora else None
         draft_bytes = draft_setup.kv_bytes_per_block(speculative, self.config, self.block_size, dtype)

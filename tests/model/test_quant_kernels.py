@@ -243,7 +243,7 @@ def test_vnni_path_error_is_bounded_by_activation_rounding(kind):
             assert_close_to_twin(w, x)  # and PackedWeight.matmul takes it within the general tolerance
     if kind == "q8_channel":  # K = 96 per channel: a group that is neither 32 nor a multiple of 64
         w = _random_packed(kind, 50, 96, gen)
-        assert w._int8_rows(x) == 0
+        assert w.int8_rows(x.dtype) == 0
         with pytest.raises(RuntimeError, match="group 96 unsupported"):
             KERNELS.quant_linear_vnni(x[:, :96].contiguous(), w.codes, w.scales, w.mins, w.group, w.q4)
 

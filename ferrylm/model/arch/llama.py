@@ -155,6 +155,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quant.process_weights_after_loading(module)
+        for block in self.moe_blocks():
+            block.stack_experts()
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] → [T, hidden] in the model dtype."""

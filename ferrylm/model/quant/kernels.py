@@ -23,7 +23,7 @@ from ferrylm.model.cpu.kernel_build import build_library, op_namespace
 
 log = logging.getLogger("ferrylm.kernels")
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("quant_gemm.cpp", "amx_linear.cpp", "vnni_gemv.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("quant_gemm.cpp", "amx_linear.cpp", "vnni_gemv.cpp", "moe_experts.cpp")]
 
 
 class QuantKernels(NamedTuple):
@@ -37,6 +37,9 @@ class QuantKernels(NamedTuple):
     has_amx: bool
     has_vnni: bool  # quant_linear_vnni runs here (int8 activations: AVX512-VNNI or AVX2 maddubs)
     variant: str  # the cpu_isa variant these ops were built for
+    # an MoE layer's routed experts in one call (x, logits, top_k, routing, slots, gate_up codes, scales,
+    # mins, group, q4, down codes, scales, mins, group, q4) -> [T, H]; None where not built (moe_experts.cpp)
+    moe_experts_int8: Callable[..., torch.Tensor] | None = None
     fp32_int8_gemv: bool = False  # policy: fp32 decode rows take quant_linear_vnni too (select_quant_method)
 
 
@@ -47,7 +50,10 @@ def _register_fakes(ns: str) -> None:
     def dequantize(codes, scales, mins, group_size, q4, dtype):
         return codes.new_empty(codes.shape[0], codes.shape[1] * (2 if q4 else 1), dtype=dtype)
 
-    fakes = {"quant_linear": linear, "quant_linear_amx": linear, "quant_linear_vnni": linear,
+    def moe_experts(x, *args):
+        return torch.empty_like(x)
+
+    fakes = {"quant_linear": linear, "quant_moe_experts_int8": moe_experts, "quant_linear_amx": linear, "quant_linear_vnni": linear,
              "quant_dequantize": dequantize,
              "quant_dequantize_into": lambda codes, scales, mins, group_size, q4, out: None}
     register_fakes({f"{ns}::{name}": fake for name, fake in fakes.items()})
@@ -74,4 +80,5 @@ def _load(name: str) -> QuantKernels | None:
     ops = getattr(torch.ops, ns)
     return QuantKernels(ops.quant_linear.default, ops.quant_linear_amx.default, ops.quant_linear_vnni.default,
                         ops.quant_dequantize.default, ops.quant_dequantize_into.default, bool(ops.quant_has_amx()),
-                        bool(ops.quant_has_vnni()), name)
+                        bool(ops.quant_has_vnni()), name,
+                        ops.quant_moe_experts_int8.default if ops.quant_has_moe_experts() else None)

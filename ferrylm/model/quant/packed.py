@@ -92,12 +92,13 @@ class PackedWeight(nn.Module):
     def _kernel_ok(self, x: torch.Tensor) -> bool:
         return self.kernels is not None and x.is_cpu and self.in_features % 32 == 0
 
-    def _int8_rows(self, x: torch.Tensor) -> int:
-        """Up to how many rows of x take int8 activations (0: none)."""
+    def int8_rows(self, dtype: torch.dtype) -> int:
+        """Up to how many activation rows of `dtype` take int8 activations (0: none)."""
         k = self.kernels
-        if not k.has_vnni or not (self.group == 32 or self.group % 64 == 0 or (self.group == 16 and not self.q4)):
+        if k is None or not k.has_vnni or self.in_features % 32 or \
+                not (self.group == 32 or self.group % 64 == 0 or (self.group == 16 and not self.q4)):
             return 0
-        if x.dtype == torch.float32:
+        if dtype == torch.float32:
             return INT8_FP32_M if k.fp32_int8_gemv else 0
         return INT8_M_AMX if k.has_amx else INT8_M
 
@@ -106,7 +107,7 @@ class PackedWeight(nn.Module):
         if not self._kernel_ok(x):
             return F.linear(x, self.dequantize(x.dtype))
         m = x.shape[0]
-        if m <= self._int8_rows(x):
+        if m <= self.int8_rows(x.dtype):
             return self.kernels.quant_linear_vnni(x, self.codes, self.scales, self.mins, self.group, self.q4)
         if m <= SMALL_M or (m <= FP32_KERNEL_M and x.dtype == torch.float32):
             return self.kernels.quant_linear(x, self.codes, self.scales, self.mins, self.group, self.q4)
