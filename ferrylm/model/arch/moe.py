@@ -118,7 +118,7 @@ class SparseMoeBlock(nn.Module):
         return self.stacked is not None and self.stacked.int8_rows(dtype) > 0
 
     def _fused(self, x: torch.Tensor) -> bool:
-        if self.stacked is None or self.experts[min(self.local)].gate_up_proj.lora is not None:
+        if self.stacked is None or cast(GatedMLP, self.experts[min(self.local)]).gate_up_proj.lora is not None:
             return False
         rows = self.stacked.int8_rows(x.dtype)
         # a compiled step takes it at every size (the loop does not trace); eager where the loop's

@@ -23,7 +23,8 @@ from ferrylm.model.cpu.kernel_build import build_library, op_namespace
 
 log = logging.getLogger("ferrylm.kernels")
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("quant_gemm.cpp", "amx_linear.cpp", "vnni_gemv.cpp", "moe_experts.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name
+            for name in ("quant_gemm.cpp", "amx_linear.cpp", "vnni_gemv.cpp", "moe_experts.cpp")]
 
 
 class QuantKernels(NamedTuple):
@@ -53,8 +54,8 @@ def _register_fakes(ns: str) -> None:
     def moe_experts(x, *args):
         return torch.empty_like(x)
 
-    fakes = {"quant_linear": linear, "quant_moe_experts_int8": moe_experts, "quant_linear_amx": linear, "quant_linear_vnni": linear,
-             "quant_dequantize": dequantize,
+    fakes = {"quant_linear": linear, "quant_linear_amx": linear, "quant_linear_vnni": linear,
+             "quant_moe_experts_int8": moe_experts, "quant_dequantize": dequantize,
              "quant_dequantize_into": lambda codes, scales, mins, group_size, q4, out: None}
     register_fakes({f"{ns}::{name}": fake for name, fake in fakes.items()})
 
