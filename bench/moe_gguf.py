@@ -5,10 +5,11 @@ GGUF Q8_0 by llama.cpp's own convert_hf_to_gguf.py (from the source tree bench/a
 extracts), cached under bench/.peers/moe-gguf/. Shape (default): hidden 1024, 16 layers, 32 experts
 of width 512, top 4 renormalised, 16/4 heads of 64, vocab 49,152, untied LM head: ~0.95B parameters,
 ~0.24B active per token. Workloads: one stream and 16 streams, 32-token prompts, 64 greedy tokens;
-decode tokens/s. FerryLM: offline LLM on the GGUF (default --dtype, blocks kept packed; an MoE step
-runs eagerly); llama.cpp: llama-batched-bench -npp 32 -ntg 64 -npl 1,16 (S_TG, random prompt tokens,
-no sampling), 2 threads each. Then FerryLM's step profiles: one 16-row step's MoE blocks phase by
-phase (bench/moe.py's), and the 1- and 16-row eager steps op group by op group (torch.profiler).
+decode tokens/s. FerryLM: offline LLM on the GGUF (default --dtype, blocks kept packed; each MoE layer's
+routed experts one fused op, so decode runs the compiled graphs, waited for before timing); llama.cpp:
+llama-batched-bench -npp 32 -ntg 64 -npl 1,16 (S_TG, random prompt tokens, no sampling), 2 threads each.
+Then FerryLM's step profiles: one 16-row step's MoE blocks phase by phase (bench/moe.py's), and the 1-
+and 16-row steps op group by op group (torch.profiler).
 
     .venv/bin/python bench/anchors/peers.py llamaserver   # once: builds llama.cpp (12 minutes on 2 cores)
     .venv/bin/python bench/moe_gguf.py                    # ~5 minutes on 2 cores (+2 the first time: converts)
@@ -116,7 +117,8 @@ def llama_cpp_decode(binary: Path, gguf: Path, batches: tuple[int, ...], prompt:
 
 def step_ops(llm, rows: int, tokens: int = 64) -> dict[str, float]:
     """ms per step of each op group (bench/step_profile.py's groups, plus the MoE block's own ops) over
-    `tokens` greedy steps of `rows` sequences (the prefill included), torch.profiler on the eager step;
+    `tokens` greedy steps of `rows` sequences (the prefill included), torch.profiler on the engine's step
+    (compiled where it compiles: inductor's generated kernels count as "other torch ops");
     "step": the wall time per step."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,6 +152,7 @@ def ferrylm_run(gguf: Path, batches: tuple[int, ...]) -> tuple[dict, dict, str, 
 
     llm = LLM(str(gguf), seed=0, max_num_seqs=max(batches))
     runner = llm.engine.executor
+    runner.wait_compiled()  # decode measured on the compiled graphs (an MoE step with fused experts compiles)
     dtype = str(getattr(runner, "dtype", "?"))
     text = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12),
                         use_tqdm=False)[0].outputs[0].text
@@ -196,7 +199,7 @@ def main() -> None:
         print("\nFerryLM, one 16-row decode step, MoE blocks only (ms, all layers): "
               + ", ".join(f"{k} {v:.1f}" for k, v in profile.items()))
         for rows, groups in ops.items():
-            print(f"\nFerryLM, {rows}-row eager decode step by op group (torch.profiler, ms per step): "
+            print(f"\nFerryLM, {rows}-row decode step by op group (torch.profiler, ms per step): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(groups.items(), key=lambda kv: -kv[1])))
 
 

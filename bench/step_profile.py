@@ -29,6 +29,7 @@ from ferrylm import LLM, SamplingParams  # noqa: E402
 from ferrylm.model.cpu.cpu_isa import select_variant, this_cpu  # noqa: E402
 
 GROUPS = [  # (group, substrings of the op name); first match wins
+    ("fused MoE experts op (int8 activations)", ("quant_moe_experts",)),
     ("quantized matmul (int8 activations)", ("quant_linear_vnni",)),
     ("quantized matmul (packed / AMX)", ("quant_linear",)),
     ("unpack panels + GEMM", ("quant_dequantize", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul")),

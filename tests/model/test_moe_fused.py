@@ -89,6 +89,23 @@ def test_fused_experts_equal_the_per_expert_loop(checkpoints, kind, method, dtyp
         assert calls, "past the int8 row limit the experts run one by one"
 
 
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_both_work_splits_give_the_loop_result(checkpoints, threads):
+    """Whole experts per thread (at least as many active experts as threads) and 16-row tiles of an
+    expert (fewer): the thread count picks the split; the result is the loop's either way."""
+    blocks = _moe_blocks(checkpoints["qwen3_moe"], "int8", torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3, 13):
+            x = torch.randn(rows, blocks[0].gate.in_features, generator=gen).bfloat16()
+            for block in blocks:
+                _assert_loop_result(block(x), _loop(block, x), (threads, rows))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_experts_of_another_rank_are_skipped(checkpoints):
     """Expert parallelism: a rank holds a share of the experts (slots -1 elsewhere) and sums only theirs;
     the fused op equals the loop over the same local experts, and two halves add up to the whole."""
