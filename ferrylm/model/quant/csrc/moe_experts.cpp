@@ -49,9 +49,7 @@ void rows_range(bool wide, bool q4, const Packed& w, const QuantizedActs& qa, in
   alignas(64) float buf[MAX_ROWS * 16];
   for (int64_t m0 = m_begin; m0 < m_end; m0 += MAX_ROWS) {
     const Acts rows = rows_of(qa, m0, std::min(MAX_ROWS, m_end - m0));
-    int64_t n = lo;
-    for (; n + 4 <= hi; n += 4) tile_rows<4>(wide, q4, w, rows, n, buf + (n - lo));
-    for (; n < hi; ++n) tile_rows<1>(wide, q4, w, rows, n, buf + (n - lo));
+    tile_span(wide, q4, w, rows, lo, hi, buf);
     for (int64_t m = 0; m < rows.M; ++m)
       std::memcpy(out + (m0 - m_begin + m) * stride, buf + m * 16, (hi - lo) * sizeof(float));
   }

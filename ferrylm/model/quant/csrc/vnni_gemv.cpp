@@ -104,9 +104,7 @@ torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& cod
         // every chunk of up to MAX_ROWS activation rows against this tile's weight rows (still in L1)
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
           const Acts rows = rows_of(a, m0, std::min(MAX_ROWS, M - m0));
-          int64_t n = lo;
-          for (; n + 4 <= hi; n += 4) tile_rows<4>(wide, q4, w, rows, n, buf + (n - lo) % 16);
-          for (; n < hi; ++n) tile_rows<1>(wide, q4, w, rows, n, buf + (n - lo) % 16);
+          tile_span(wide, q4, w, rows, lo, hi, buf);
           for (int64_t m = 0; m < rows.M; ++m)
             for (int64_t r = lo; r < hi; ++r) op[(m0 + m) * N + r] = static_cast<scalar_t>(buf[m * 16 + (r - lo)]);
         }
