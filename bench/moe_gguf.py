@@ -12,7 +12,7 @@ Then FerryLM's step profiles: one 16-row step's MoE blocks phase by phase (bench
 and 16-row steps op group by op group (torch.profiler).
 
     .venv/bin/python bench/anchors/peers.py llamaserver   # once: builds llama.cpp (12 minutes on 2 cores)
-    .venv/bin/python bench/moe_gguf.py                    # ~5 minutes on 2 cores (+2 the first time: converts)
+    .venv/bin/python bench/moe_gguf.py                    # ~10 minutes on 2 cores (+2 the first time: converts)
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ SHAPE = dict(vocab_size=49152, hidden_size=1024, intermediate_size=2048, num_hid
              norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)
 WORK = PEERS / "moe-gguf"
 THREADS = 2
+ROUNDS = 3  # each engine's decode measured this many times per batch size, the median reported (noisy hosts)
 
 
 def llama_cpp_tree() -> Path | None:
@@ -159,7 +161,8 @@ def ferrylm_run(gguf: Path, batches: tuple[int, ...]) -> tuple[dict, dict, str, 
     figures = {}
     for batch in batches:
         with ForeignCpu() as cpu:
-            figures[batch] = (ferrylm_decode(llm, batch), cpu.share)
+            runs = [ferrylm_decode(llm, batch) for _ in range(ROUNDS)]
+            figures[batch] = (statistics.median(runs), cpu.share, runs)
     ops = {rows: step_ops(llm, rows) for rows in batches}
     return figures, moe_profile(llm, rows=16), dtype, text, ops
 
@@ -187,13 +190,20 @@ def main() -> None:
     if text:
         print(f"FerryLM ({dtype}) greedy: {text!r}", flush=True)
     with ForeignCpu(children=True) as cpu:  # llama-batched-bench is this process's child: the run itself
-        peer = llama_cpp_decode(binary, gguf, batches, PROMPT, OUT)
+        peer_runs = [llama_cpp_decode(binary, gguf, batches, PROMPT, OUT) for _ in range(ROUNDS)]
+    peer = {b: statistics.median(run[b] for run in peer_runs) for b in batches}
     print("\n| engine | 1 stream: decode tok/s | 16 streams: decode tok/s | other processes' CPU share |")
     print("|---|---|---|---|")
     if ours:
         print(f"| FerryLM (GGUF packed, {dtype}) | {ours[1][0]:.1f} | {ours[16][0]:.1f} | "
-              f"{max(share for _, share in ours.values()):.3f} |")
+              f"{max(share for _, share, _ in ours.values()):.3f} |")
     print(f"| llama.cpp llama-batched-bench | {peer[1]:.1f} | {peer[16]:.1f} | {cpu.share:.3f} |")
+    runs = {"llama.cpp": {b: [run[b] for run in peer_runs] for b in batches}}
+    if ours:
+        runs["FerryLM"] = {b: ours[b][2] for b in batches}
+    print("(medians of", ROUNDS, "runs each; every run, tok/s: " + "; ".join(
+        f"{name} {b} stream(s) " + ", ".join(f"{v:.1f}" for v in vals) for name, per in runs.items()
+        for b, vals in per.items()) + ")")
     if ours:
         print(f"| FerryLM / llama.cpp | {ours[1][0] / peer[1]:.2f}x | {ours[16][0] / peer[16]:.2f}x | |")
         print("\nFerryLM, one 16-row decode step, MoE blocks only (ms, all layers): "
