@@ -150,3 +150,23 @@ def test_multimodal_checkpoint_serves_its_language_model(gemma3, tmp_path):
         assert got.config.sliding_layers == want.config.sliding_layers
         for (name, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
             assert torch.equal(a, b), name
+
+
+def test_a_prefill_step_builds_its_window_mask_once(gemma3, monkeypatch):
+    """The tiny Gemma 3 has three sliding layers: a prefill chunk past the window builds its window mask
+    once for the step (PrefillChunk.window_masks), and every sliding layer uses it."""
+    from ferrylm import LLM
+    from ferrylm.model.attention import torch_native
+    from ferrylm.model.forward_batch import ForwardBatch
+
+    calls = []
+    build = torch_native.window_mask
+    monkeypatch.setattr(torch_native, "window_mask", lambda *args: calls.append(args) or build(*args))
+    directory, _ = gemma3
+    runner = LLM(directory, dtype="float32", enforce_eager=True, block_size=4).engine.executor
+    prompt = PROMPTS[2]  # 37 tokens, window 8
+    batch = ForwardBatch.build([prompt], [0], [list(range(-(-len(prompt) // 4)))], 4)
+    with torch.no_grad():
+        runner.model(batch, runner.kv_caches)
+    assert len(runner.config.sliding_layers) == 3
+    assert len(calls) == 1, calls

@@ -59,7 +59,7 @@ class CpuBackend:
         for chunk in meta.prefill:
             s, n = chunk.start, chunk.length
             out[s:s + n] = self.fallback.prefill(q[s:s + n], k_cache, v_cache, chunk.block_table, chunk.seq_len,
-                                                  scale, chunk.mask, window)
+                                                  scale, chunk.mask, window, chunk.window_masks)
         return out
 
 

@@ -31,6 +31,9 @@ class PrefillChunk(NamedTuple):
     seq_len: int
     block_table: torch.Tensor  # [max_blocks] int64, this sequence's row of batch.block_tables
     mask: torch.Tensor | None  # [length, seq_len] bool causal mask past the cached context; None: plain causal
+    # the step's sliding-window masks of this chunk by window, built by the first sliding layer that needs one
+    # and reused by the others (a per-step memo: the metadata is rebuilt every step)
+    window_masks: dict[int, torch.Tensor] | None = None
 
 
 class PagedMetadata(NamedTuple):
@@ -77,7 +80,8 @@ def split_batch(batch: ForwardBatch) -> PagedMetadata:
     chunks, start = [], 0
     for b, (n, seq_len) in enumerate(zip(batch.query_lens_list, batch.seq_lens_list)):
         if n > 1:
-            chunks.append(PrefillChunk(start, n, seq_len, batch.block_tables[b], causal_mask(n, seq_len, device)))
+            chunks.append(PrefillChunk(start, n, seq_len, batch.block_tables[b], causal_mask(n, seq_len, device),
+                                       {}))
         start += n
     decode = _decode_rows(batch, rows) if rows else None
     return PagedMetadata(len(rows) == batch.num_seqs, decode, tuple(chunks))

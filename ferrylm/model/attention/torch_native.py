@@ -78,7 +78,7 @@ class TorchNativeBackend:
         for chunk in meta.prefill:
             s, n = chunk.start, chunk.length
             out[s:s + n] = self.prefill(q[s:s + n], k_cache, v_cache, chunk.block_table, chunk.seq_len, scale,
-                                        chunk.mask, window)
+                                        chunk.mask, window, chunk.window_masks)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows,
@@ -103,7 +103,8 @@ class TorchNativeBackend:
         out.index_copy_(0, rows.token_idx, o.reshape(num_rows, -1, head_dim).to(out.dtype))
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                seq_len: int, scale: float, mask: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
+                seq_len: int, scale: float, mask: torch.Tensor | None, window: int | None = None,
+                window_masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Causal attention of a chunk of n queries that sit at the end of a seq_len-token sequence.
 
         torch's SDPA (a blocked flash kernel on CPU) skips fully masked tiles: ~5x faster than
@@ -111,11 +112,11 @@ class TorchNativeBackend:
         mid-sequence (prefix-cache hit, chunked prefill) gets the offset causal `mask` that
         prepare() built for the step (metadata.causal_mask); None when n == seq_len.
         With a `window` shorter than the context, only the blocks from the first key any query sees
-        are read, under a causal window mask (built here: it differs from layer to layer only in
-        whether the layer slides).
+        are read, under a causal window mask, built once a step per window: `window_masks`, the chunk's
+        memo (PrefillChunk.window_masks), keeps it for the step's other sliding layers.
         """
         if window is not None and seq_len > window:
-            return self._prefill_window(q, k_cache, v_cache, table, seq_len, scale, window)
+            return self._prefill_window(q, k_cache, v_cache, table, seq_len, scale, window, window_masks)
         keys = gather_kv(k_cache, table, seq_len, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
         values = gather_kv(v_cache, table, seq_len, q.dtype).transpose(0, 1).unsqueeze(0)
         queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -126,13 +127,18 @@ class TorchNativeBackend:
         return o[0].transpose(0, 1)  # [n, H, D]
 
     def _prefill_window(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                        seq_len: int, scale: float, window: int) -> torch.Tensor:
+                        seq_len: int, scale: float, window: int,
+                        window_masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         n, block_size = q.shape[0], k_cache.shape[1]
         first_block = window_start(seq_len, n, window) // block_size
         first_key = first_block * block_size
         keys = gather_kv(k_cache, table[first_block:], seq_len - first_key, q.dtype).transpose(0, 1).unsqueeze(0)
         values = gather_kv(v_cache, table[first_block:], seq_len - first_key, q.dtype).transpose(0, 1).unsqueeze(0)
-        mask = window_mask(n, seq_len, first_key, window, q.device)
+        mask = None if window_masks is None else window_masks.get(window)
+        if mask is None:
+            mask = window_mask(n, seq_len, first_key, window, q.device)
+            if window_masks is not None:
+                window_masks[window] = mask
         o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
         return o[0].transpose(0, 1)  # [n, H, D]
