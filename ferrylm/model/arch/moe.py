@@ -37,9 +37,6 @@ class StackedExperts(nn.Module):
         super().__init__()
         self.gate_up, self.down = _stack(gate_up), _stack(down)
         self.register_buffer("slots", slots)
-        first = gate_up[0]
-        self.kernels = first.kernels
-        self.gate_up_layout, self.down_layout = (first.group, first.q4), (down[0].group, down[0].q4)
 
     def int8_rows(self, dtype: torch.dtype) -> int:
         """Up to how many token rows the experts' own matmuls would take int8 activations (0: none)."""
@@ -47,7 +44,7 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int) -> torch.Tensor:
         gu, dn = self.gate_up, self.down
-        return self.kernels.moe_experts_int8(x, logits, top_k, routing, self.slots, gu.codes, gu.scales, gu.mins,
+        return gu.kernels.moe_experts_int8(x, logits, top_k, routing, self.slots, gu.codes, gu.scales, gu.mins,
                                              gu.group, gu.q4, dn.codes, dn.scales, dn.mins, dn.group, dn.q4)
 
 
@@ -99,7 +96,8 @@ class SparseMoeBlock(nn.Module):
     def stack_experts(self) -> None:
         """After loading: stack the local experts' packed weights for the fused op, if they are all
         PackedWeights of one layout with SiLU, no bias and no LoRA (else the per-expert loop runs)."""
-        mlps = [cast(GatedMLP, self.experts[e]) for e in sorted(self.local)]
+        local = sorted(self.local)
+        mlps = [cast(GatedMLP, self.experts[e]) for e in local]
         linears = [lin for m in mlps for lin in (m.gate_up_proj, m.down_proj)]
         if not mlps or any(not isinstance(m.act, SiluAndMul) for m in mlps) or \
                 any(lin.bias is not None or lin.lora is not None for lin in linears):
@@ -109,7 +107,7 @@ class SparseMoeBlock(nn.Module):
         if not (_same_layout(gate_up) and _same_layout(down)):
             return
         slots = torch.full((len(self.experts),), -1, dtype=torch.int64)
-        for s, e in enumerate(sorted(self.local)):
+        for s, e in enumerate(local):
             slots[e] = s
         self.stacked = StackedExperts(cast("list[PackedWeight]", gate_up), cast("list[PackedWeight]", down), slots)
 

@@ -14,10 +14,9 @@
 // x's dtype where eager rounds them (gate/up outputs, silu, the product, the down output, the weighted sum
 // added expert by expert in expert order): bit for bit in bf16; in fp32 exp (libm here, torch's own vector
 // code there) may differ in its last bit (measured <= 3.6e-7 of the output, but a row whose activation
-// that bit moves across an int8 rounding boundary moves by one code's worth: 6.7e-4). Routing is in fp32 like
-// transformers': softmax over all
-// experts then top-k (optionally renormalised), or (Llama 4) top-k logits whose sigmoid scales the
-// expert's input; ties go to the lower expert index.
+// that bit moves across an int8 rounding boundary moves by one code's worth: 6.7e-4). Routing is in fp32
+// like transformers': softmax over all experts then top-k (optionally renormalised), or (Llama 4) top-k
+// logits whose sigmoid scales the expert's input; ties go to the lower expert index.
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
