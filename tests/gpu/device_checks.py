@@ -13,13 +13,19 @@ from tests.gpu.interpreter_cases import run_case
 from tests.gpu.random_model import build_engine, build_runner, generate_greedy, model_config
 
 SHAPES = {"smollm2": (9, 3, 64), "llama3": (32, 8, 128)}  # heads, KV heads, head dim
-BATCHES = {  # query lens, context lens, forced decode partitions (None: the backend's choice)
-    "prefill_fresh": ([1000, 37, 16], [0, 0, 0], None),
-    "prefill_prefix_hit": ([300, 5], [512, 4000], None),
-    "mixed": ([1, 200, 1, 1], [3000, 48, 0, 15], None),
-    "mixed_forced_split_5": ([1, 64, 1], [2000, 100, 7], 5),
-    "decode_auto_split": ([1] * 5, [1, 16, 17, 900, 5000], None),
-    "decode_forced_split_7": ([1] * 3, [2, 1500, 8191], 7),
+BATCHES = {  # query lens, context lens, forced decode partitions (None: the backend's choice), window
+    "prefill_fresh": ([1000, 37, 16], [0, 0, 0], None, None),
+    "prefill_prefix_hit": ([300, 5], [512, 4000], None, None),
+    "mixed": ([1, 200, 1, 1], [3000, 48, 0, 15], None, None),
+    "mixed_forced_split_5": ([1, 64, 1], [2000, 100, 7], 5, None),
+    "decode_auto_split": ([1] * 5, [1, 16, 17, 900, 5000], None, None),
+    "decode_forced_split_7": ([1] * 3, [2, 1500, 8191], 7, None),
+    # sliding-window layers (Gemma 3 uses 512 and 1024)
+    "window_prefill_fresh": ([1000, 37, 16], [0, 0, 0], None, 512),
+    "window_prefill_prefix_hit": ([300, 5], [512, 4000], None, 1024),
+    "window_mixed": ([1, 200, 1, 1], [3000, 48, 0, 15], None, 512),
+    "window_decode_auto_split": ([1] * 5, [1, 16, 17, 900, 5000], None, 512),
+    "window_decode_forced_split_7": ([1] * 3, [2, 1500, 8191], 7, 1000),
 }
 
 
@@ -27,10 +33,10 @@ def kernel_errors(dtype: torch.dtype = torch.bfloat16, tol: float = 1e-2, block_
     """TritonBackend vs TorchNativeBackend on CUDA for every shape x batch: relative error or FAIL."""
     errors: dict[str, float | str] = {}
     for shape, (heads, kv_heads, head_dim) in SHAPES.items():
-        for name, (query_lens, context_lens, parts) in BATCHES.items():
+        for name, (query_lens, context_lens, parts, window) in BATCHES.items():
             try:
                 errors[f"{shape}/{name}"] = run_case(heads, kv_heads, head_dim, block_size, query_lens, context_lens,
-                                                     parts, "cuda", dtype, tol)
+                                                     parts, window, device="cuda", dtype=dtype, tol=tol)
             except AssertionError as e:
                 errors[f"{shape}/{name}"] = f"FAIL {e}"
     return {"passed": all(isinstance(v, float) for v in errors.values()), "rel_err": errors}

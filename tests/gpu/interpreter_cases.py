@@ -13,7 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
-# (name, heads, kv heads, head dim, block size, query lens, context lens, forced decode partitions)
+# (name, heads, kv heads, head dim, block size, query lens, context lens, forced decode partitions[, window])
 CASES = [
     ("prefill_gqa2_block_crossing", 4, 2, 32, 4, [7, 9, 16], [0, 0, 0], None),
     ("prefill_prefix_hit", 4, 2, 32, 4, [5, 12, 3], [20, 7, 1], None),
@@ -25,6 +25,13 @@ CASES = [
     ("decode_single_partition", 6, 2, 32, 4, [1, 1, 1, 1], [0, 3, 16, 40], None),
     ("decode_split_k_4", 4, 2, 32, 4, [1, 1, 1], [2, 47, 99], 4),
     ("decode_split_k_3_uneven", 6, 3, 16, 8, [1, 1], [70, 130], 3),
+    # sliding-window layers: windows shorter and longer than the context, crossing key tiles
+    ("window_prefill_fresh", 4, 2, 32, 4, [37, 9], [0, 0], None, 8),
+    ("window_prefill_prefix_hit", 4, 2, 32, 4, [12, 5, 3], [40, 3, 17], None, 7),
+    ("window_mixed", 6, 2, 16, 4, [1, 20, 1, 1], [50, 30, 5, 3], None, 10),
+    ("window_decode_split_k_3", 4, 2, 32, 4, [1, 1, 1], [2, 47, 99], 3, 33),
+    ("window_decode_split_k_5_long", 6, 3, 16, 8, [1, 1], [70, 130], 5, 17),
+    ("window_1", 4, 2, 16, 4, [9, 1], [4, 20], None, 1),
 ]
 CASE_NAMES = [c[0] for c in CASES] + ["write_kv_strided", "engine_greedy_tiny"]
 
@@ -39,10 +46,11 @@ def _batch(query_lens, context_lens, block_size, num_blocks, gen, device="cpu"):
     return ForwardBatch.build([[1] * q for q in query_lens], context_lens, tables, block_size, device=device)
 
 
-def run_case(heads, kv_heads, head_dim, block_size, query_lens, context_lens, parts, device="cpu", dtype=None,
-             tol=1e-5) -> float:
+def run_case(heads, kv_heads, head_dim, block_size, query_lens, context_lens, parts, window=None, device="cpu",
+             dtype=None, tol=1e-5) -> float:
     """Backend forward (KV write + attention) against the oracle; raises AssertionError on mismatch.
 
+    `window`: a sliding-window layer's (a query at p sees keys p - window + 1 .. p), or None.
     The tolerance bounds the relative error ||got - want|| / ||want|| over the whole output.
     """
     import torch
@@ -66,8 +74,9 @@ def run_case(heads, kv_heads, head_dim, block_size, query_lens, context_lens, pa
     spec = AttentionSpec(heads, kv_heads, head_dim, block_size, dtype, torch.device(device))
     triton_backend, oracle = TritonBackend(spec, parts), TorchNativeBackend()
     got = triton_backend.forward(q, k, v, caches[0], caches[1], batch.with_attn_metadata(triton_backend.prepare(batch)),
-                                 head_dim ** -0.5)
-    want = oracle.forward(q, k, v, ref[0], ref[1], batch.with_attn_metadata(oracle.prepare(batch)), head_dim ** -0.5)
+                                 head_dim ** -0.5, window)
+    want = oracle.forward(q, k, v, ref[0], ref[1], batch.with_attn_metadata(oracle.prepare(batch)), head_dim ** -0.5,
+                          window)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1]), "KV cache differs"
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert err < tol, f"relative error {err:.2e}"

@@ -26,8 +26,9 @@ pytestmark = [
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 def test_kernels_match_oracle_on_gpu(shape, batch, dtype, tol):
     heads, kv_heads, head_dim = SHAPES[shape]
-    query_lens, context_lens, parts = BATCHES[batch]
-    run_case(heads, kv_heads, head_dim, 16, query_lens, context_lens, parts, device="cuda", dtype=dtype, tol=tol)
+    query_lens, context_lens, parts, window = BATCHES[batch]
+    run_case(heads, kv_heads, head_dim, 16, query_lens, context_lens, parts, window, device="cuda", dtype=dtype,
+             tol=tol)
 
 
 @pytest.mark.parametrize("name", ["tiny", "smollm2-135m"])

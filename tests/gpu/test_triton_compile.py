@@ -103,11 +103,14 @@ def test_kernels_compile_for_sm90(shape: str, dtype: str) -> None:
 
     cfg, tiles = _configs(SHAPES[shape], dtype == "fp32")
     _compile(kernels._write_kv_kernel, dtype, cfg["write_kv"])
-    prefill = _compile(kernels._prefill_kernel, dtype, cfg["prefill"], num_warps=tiles.prefill_warps)
-    assert prefill.metadata.shared <= 227 * 1024, "prefill tile exceeds H100/H200 shared memory"
-    decode = [_compile(kernels._decode_kernel, dtype, {**cfg["decode"], "GATHER": gather},
-                       num_warps=tiles.decode_warps) for gather in (False, True)]
+    prefill, decode = [], []
+    for window in (False, True):  # full-context layers, sliding-window layers (Gemma 3)
+        prefill.append(_compile(kernels._prefill_kernel, dtype, {**cfg["prefill"], "HAS_WINDOW": window},
+                                num_warps=tiles.prefill_warps))
+        assert prefill[-1].metadata.shared <= 227 * 1024, "prefill tile exceeds H100/H200 shared memory"
+        decode += [_compile(kernels._decode_kernel, dtype, {**cfg["decode"], "GATHER": gather, "HAS_WINDOW": window},
+                            num_warps=tiles.decode_warps) for gather in (False, True)]
     for gather in (False, True):
         _compile(kernels._reduce_kernel, dtype, {**cfg["reduce"], "GATHER": gather})
     if dtype == "bf16":  # the serving path: tiles were sized so that nothing spills to local memory
-        assert _spill_bytes(prefill) in (0, None) and all(_spill_bytes(k) in (0, None) for k in decode)
+        assert all(_spill_bytes(k) in (0, None) for k in prefill + decode)

@@ -8,7 +8,9 @@ interpreter's bf16 dot is unreliable.
 Grouped-query attention is packed: the G query heads that share a KV head are rows of the same
 tile, so each K/V row is loaded once per group. Row r of a prefill tile is query token r // G_PAD,
 head r % G_PAD of the group. Query i of sequence b sits at position seq_len - query_len + i (this
-covers prefix-cache hits and chunked prefill) and sees keys 0..position.
+covers prefix-cache hits and chunked prefill) and sees keys 0..position, or on a sliding-window layer
+only the last `window` of them (position - window + 1..position; the kernels start their key loops
+there).
 
 Quantized caches (--kv-cache-dtype, layout in kv_quant.py) are told apart by the cache pointer's
 element type (8-bit: int8, fp8e4nv, fp8e5; a compile-time branch, one specialisation each): the write kernel
@@ -115,8 +117,9 @@ if triton is not None:
                       stride_cb, stride_cs, stride_ch,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
                       BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                      k_scale_ptr, v_scale_ptr):
-        """Online softmax of the q rows over keys lo..hi of one sequence, read through its block table."""
+                      k_scale_ptr, v_scale_ptr, window, HAS_WINDOW: tl.constexpr):
+        """Online softmax of the q rows over keys lo..hi of one sequence, read through its block table.
+        CAUSAL rows see keys up to their position, and with HAS_WINDOW only the last `window` of those."""
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
         for start in range(lo, hi, BLOCK_N):
@@ -136,6 +139,8 @@ if triton is not None:
             keep = n_ok[None, :]
             if CAUSAL:
                 keep = keep & (n[None, :] <= q_pos[:, None])
+                if HAS_WINDOW:
+                    keep = keep & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -151,8 +156,10 @@ if triton is not None:
                         stride_cb, stride_cs, stride_ch, stride_bt,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, k_scale_ptr, v_scale_ptr):
-        """Grid (tiles, kv heads); tile i = (sequence tiles[i], first query tiles[num_tiles + i])."""
+                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, k_scale_ptr, v_scale_ptr, window,
+                        HAS_WINDOW: tl.constexpr):
+        """Grid (tiles, kv heads); tile i = (sequence tiles[i], first query tiles[num_tiles + i]). With a
+        window, the key loop starts at the BLOCK_N tile holding the first key the tile's first query sees."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.load(tiles_ptr + tile)
@@ -176,10 +183,13 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
         hi = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)  # keys beyond the tile's last query are masked anyway
-        m_i, l_i, acc = _attend_range(q, ctx + qi, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_bt, kvh, 0,
+        lo = 0
+        if HAS_WINDOW:
+            lo = (tl.maximum(ctx + q0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        m_i, l_i, acc = _attend_range(q, ctx + qi, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_bt, kvh, lo,
                                       hi, m_i, l_i, acc, scale_log2, stride_cb, stride_cs, stride_ch,
                                       HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, True, UPCAST, DOT_PREC,
-                                      k_scale_ptr, v_scale_ptr)
+                                      k_scale_ptr, v_scale_ptr, window, HAS_WINDOW)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -200,18 +210,21 @@ if triton is not None:
                        stride_cb, stride_cs, stride_ch, stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
                        BLOCK_N: tl.constexpr, GATHER: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                       k_scale_ptr, v_scale_ptr):
-        """Grid (decode rows, kv heads, partitions). Each sequence is cut into num_parts equal ranges of
-        whole BLOCK_N tiles, computed from its device-side length, so the grid depends on shapes only
-        (CUDA-graph safe). With num_parts > 1 (a runtime branch: one compiled kernel serves both), it
+                       k_scale_ptr, v_scale_ptr, window, HAS_WINDOW: tl.constexpr):
+        """Grid (decode rows, kv heads, partitions). Each sequence's keys (with a window, its last
+        `window` keys) are cut into num_parts equal ranges of whole BLOCK_N tiles, computed from its
+        device-side length, so the grid depends on shapes only (CUDA-graph safe). With num_parts > 1 (a runtime branch: one compiled kernel serves both), it
         writes (acc, m, l) per partition for _reduce_kernel, else the output."""
         b, tok = _decode_row(rows_ptr, query_start_ptr, GATHER)
         i = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-        part_len = tl.cdiv(tl.cdiv(seq_len, num_parts), BLOCK_N) * BLOCK_N
-        lo = part * part_len
+        first = 0
+        if HAS_WINDOW:
+            first = tl.maximum(seq_len - window, 0)
+        part_len = tl.cdiv(tl.cdiv(seq_len - first, num_parts), BLOCK_N) * BLOCK_N
+        lo = first + part * part_len
         hi = tl.minimum(lo + part_len, seq_len)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
@@ -226,7 +239,7 @@ if triton is not None:
         m_i, l_i, acc = _attend_range(q, m_i, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_bt, kvh, lo, hi,
                                       m_i, l_i, acc, scale_log2, stride_cb, stride_cs, stride_ch,
                                       HEAD_DIM, BLOCK_SIZE, D_PAD, BLOCK_N, False, UPCAST, DOT_PREC,
-                                      k_scale_ptr, v_scale_ptr)
+                                      k_scale_ptr, v_scale_ptr, window, HAS_WINDOW)
         if num_parts > 1:
             # partials laid out [rows, H, num_parts, D_PAD + 2]: acc (unnormalised), then m, then l
             base = ((i * NUM_HEADS + head) * num_parts + part).to(tl.int64) * (D_PAD + 2)
@@ -356,8 +369,9 @@ class BatchPlan(NamedTuple):
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                  plan: BatchPlan, scale: float, cfg: TileConfig, out: torch.Tensor) -> None:
-    """Causal varlen attention of the rows of sequences with more than one query, into `out`."""
+                  plan: BatchPlan, scale: float, cfg: TileConfig, out: torch.Tensor, window: int | None = None) -> None:
+    """Causal varlen attention of the rows of sequences with more than one query, into `out`; with a
+    `window`, a query at position p sees keys p - window + 1 .. p."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     group = q.shape[1] // num_kv_heads
     k_scale, v_scale = kv_scales(k_cache, v_cache)
@@ -367,7 +381,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(1), k_cache.stride(2), batch.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], G_PAD=_pow2(group), BLOCK_Q=_block_q(group, cfg), D_PAD=_pow2(head_dim, 16),
         BLOCK_N=cfg.prefill_keys, num_warps=cfg.prefill_warps, num_stages=cfg.num_stages, k_scale_ptr=k_scale,
-        v_scale_ptr=v_scale, **_kernel_flags(q))
+        v_scale_ptr=v_scale, window=window or 0, HAS_WINDOW=window is not None, **_kernel_flags(q))
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -379,9 +393,11 @@ def decode_partitions(num_seqs: int, num_kv_heads: int, max_blocks: int, block_s
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-                 num_parts: int, cfg: TileConfig, out: torch.Tensor, plan: BatchPlan | None = None) -> None:
+                 num_parts: int, cfg: TileConfig, out: torch.Tensor, plan: BatchPlan | None = None,
+                 window: int | None = None) -> None:
     """Single-query rows into `out`: every row of a decode-only batch (plan None, q row b is sequence
-    b), else plan.decode_rows. FlashDecoding when num_parts > 1."""
+    b), else plan.decode_rows. FlashDecoding when num_parts > 1. With a `window`, only each
+    sequence's last `window` keys."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
@@ -398,7 +414,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_cache.stride(1), k_cache.stride(2), batch.block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], G_PAD=_pow2(group, 16), D_PAD=d_pad, BLOCK_N=cfg.decode_keys,
         GATHER=plan is not None, num_warps=cfg.decode_warps, num_stages=cfg.num_stages, k_scale_ptr=k_scale,
-        v_scale_ptr=v_scale, **_kernel_flags(q))
+        v_scale_ptr=v_scale, window=window or 0, HAS_WINDOW=window is not None, **_kernel_flags(q))
     if split:
         _reduce_kernel[(num_rows, num_heads)](partials, out, rows, batch.query_start_loc, num_parts, out.stride(0),
                                               out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
@@ -416,12 +432,12 @@ class TritonMetadata(NamedTuple):
 class TritonBackend:
     """AttentionBackend for CUDA. Single-query rows take the split-K decode kernel, rows of longer
     chunks the varlen prefill kernel. A decode-only batch's metadata holds no tensors and depends on
-    its shapes only, so CudaGraphRunner can capture it. The kernels attend every key of the context:
-    a sliding-window model (Gemma 3) is refused at load (loader.load_model reads the flag below)."""
+    its shapes only, so CudaGraphRunner can capture it. Sliding-window layers (Gemma 3) pass their
+    window: a compile-time flag specialises the kernels, whose key loops start at the window."""
 
     supports_cuda_graphs = True
     supports_quantized_kv = True  # fp8 / int8 caches (kv_quant.py): kernels specialised on the cache type
-    supports_sliding_window = False
+    supports_sliding_window = True
 
     def __init__(self, spec: AttentionSpec, decode_partitions: int | None = None):
         """`decode_partitions` forces the split-K factor (tests); None picks it from the batch shape."""
@@ -444,9 +460,6 @@ class TritonBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float, window: int | None = None) -> torch.Tensor:
-        if window is not None:
-            raise ValueError("TritonBackend does not implement sliding-window attention (window "
-                             f"{window}); use the torch attention backend")
         meta = attn_metadata(batch, TritonMetadata)
         if not q.is_cuda and not _interpreting():
             raise RuntimeError("TritonBackend on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
@@ -454,7 +467,7 @@ class TritonBackend:
         q = _last_dim_contiguous(q)
         out = torch.empty_like(q)
         if meta.plan is not None:
-            paged_prefill(q, k_cache, v_cache, batch, meta.plan, scale, self.cfg, out)
+            paged_prefill(q, k_cache, v_cache, batch, meta.plan, scale, self.cfg, out, window)
         if meta.num_decode:
-            paged_decode(q, k_cache, v_cache, batch, scale, meta.decode_partitions, self.cfg, out, meta.plan)
+            paged_decode(q, k_cache, v_cache, batch, scale, meta.decode_partitions, self.cfg, out, meta.plan, window)
         return out
