@@ -213,8 +213,9 @@ if triton is not None:
                        k_scale_ptr, v_scale_ptr, window, HAS_WINDOW: tl.constexpr):
         """Grid (decode rows, kv heads, partitions). Each sequence's keys (with a window, its last
         `window` keys) are cut into num_parts equal ranges of whole BLOCK_N tiles, computed from its
-        device-side length, so the grid depends on shapes only (CUDA-graph safe). With num_parts > 1 (a runtime branch: one compiled kernel serves both), it
-        writes (acc, m, l) per partition for _reduce_kernel, else the output."""
+        device-side length, so the grid depends on shapes only (CUDA-graph safe). With num_parts > 1 (a
+        runtime branch: one compiled kernel serves both), it writes (acc, m, l) per partition for
+        _reduce_kernel, else the output."""
         b, tok = _decode_row(rows_ptr, query_start_ptr, GATHER)
         i = tl.program_id(0)
         kvh = tl.program_id(1)
