@@ -249,18 +249,34 @@ class ModelRunner:
         return step
 
     def _blocks_from_budget(self, cache_config: CacheConfig, max_num_batched_tokens: int, draft_bytes: int) -> int:
-        """KV pool size: `kv_cache_memory` bytes on CPU; on CUDA, what `gpu_memory_utilization` leaves
-        after the weights and an activation reserve for the largest step. A speculative draft's K/V
-        (`draft_bytes` per block) shares the budget."""
+        """KV pool size: `kv_cache_memory` bytes on CPU; on CUDA, as vLLM does, this instance takes
+        `gpu_memory_utilization` of the card's memory (an error if that much is not free: another process
+        holds it) and the pool is what is left after this process's weights and an activation reserve for
+        the largest step; an error too if that cannot hold one max_model_len sequence. A speculative
+        draft's K/V (`draft_bytes` per block) shares the budget."""
         per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype, self.cache_dtype) + draft_bytes
         budget = cache_config.kv_cache_memory
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
+            ours = torch.cuda.memory_reserved(self.device)
+            wanted = total * cache_config.gpu_memory_utilization
+            gib = 1 << 30
+            if free + ours < wanted:
+                raise ConfigError(
+                    f"--gpu-memory-utilization {cache_config.gpu_memory_utilization} asks for {wanted / gib:.1f} GiB "
+                    f"of {self.device}, but only {(free + ours) / gib:.1f} GiB of its {total / gib:.1f} GiB are free "
+                    "(other processes hold the rest): lower --gpu-memory-utilization")
             c = self.config
             activations = max_num_batched_tokens * (c.hidden_size * 4 + c.intermediate_size * 3) * 4 \
                 + 256 * c.vocab_size * 4  # per-token activations in fp32 + logits of the sampled rows
-            budget = int(free - total * (1.0 - cache_config.gpu_memory_utilization) - activations)
+            budget = int(wanted - ours - activations)
+            needed = -(-self.max_model_len // self.block_size)
+            if budget // per_block < needed:
+                raise ConfigError(
+                    f"the KV cache gets {max(budget, 0) / gib:.2f} GiB of {self.device} ({max(budget // per_block, 0)} "
+                    f"blocks of {self.block_size} tokens), less than one {self.max_model_len}-token sequence needs "
+                    f"({needed} blocks): raise --gpu-memory-utilization or lower --max-model-len")
         return max(1, budget // per_block)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:

@@ -65,5 +65,12 @@ def test_graph_replay_equals_eager(dtype, tol):
         replayed = graphs.forward(decode).clone()
     err = ((replayed.float() - eager.float()).norm() / eager.float().norm()).item()
     assert err < tol
-    for (k, v), (ek, ev) in zip(runner.kv_caches, eager_kv):  # the padding row touched only the pad block
-        assert torch.equal(k[:pad_block], ek[:pad_block]) and torch.equal(v[:pad_block], ev[:pad_block])
+    # The padding row wrote only the pad block: every other slot equals eager's, exactly except the three
+    # written this step (the graph's 4-row GEMMs may round differently from eager's 3-row ones).
+    written = [(tables[i][c // 16], c % 16) for i, c in enumerate(contexts)]
+    for (k, v), (ek, ev) in zip(runner.kv_caches, eager_kv):
+        for got, want in ((k, ek), (v, ev)):
+            for block, slot in written:
+                assert torch.allclose(got[block, slot].float(), want[block, slot].float(), rtol=tol, atol=tol)
+                got[block, slot] = want[block, slot]
+            assert torch.equal(got[:pad_block], want[:pad_block])

@@ -35,7 +35,7 @@ def test_greedy_on_gpu_equals_transformers(kind, tmp_path):
     # Gemma 3's window is 8: prompts of 19-46 tokens plus 32 new ones cross it in prefill and in decode
     prompts = [SHARED + [200 + i] * (1 + 9 * i) for i in range(4)]
     llm = LLM(directory, dtype="float32", device="cuda", max_num_batched_tokens=16, enable_prefix_caching=True,
-              max_num_seqs=8)
+              max_num_seqs=8, gpu_memory_utilization=0.05)  # pytest -n 4: four engines share the card
     assert type(llm.engine.executor.attn_backend).__name__ == "TritonBackend"
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
     first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
@@ -47,3 +47,12 @@ def test_greedy_on_gpu_equals_transformers(kind, tmp_path):
         got = out.outputs[0]
         assert got.token_ids == want_tokens
         assert max(abs(lp[t] - w) for lp, t, w in zip(got.logprobs, got.token_ids, want_logprobs)) < 1e-3
+
+
+def test_a_kv_budget_too_small_for_one_sequence_is_an_error_naming_the_flags(tmp_path):
+    from ferrylm import LLM
+    from ferrylm.config import ConfigError
+
+    directory = str(add_word_tokenizer(make_tiny_model("qwen3", tmp_path / "qwen3")))
+    with pytest.raises(ConfigError, match="--gpu-memory-utilization.*--max-model-len"):
+        LLM(directory, dtype="float32", device="cuda", gpu_memory_utilization=1e-5)
