@@ -97,6 +97,8 @@ class ModelRunner:
         serves_lora = lora is not None and lora.enable_lora
         enforce_eager = enforce_eager or serves_lora  # the compiled step and graphs hold no adapter deltas
         self.device, self.dtype = device, dtype
+        # what this process held before this runner (another engine's pool, say): not ours to budget
+        self._cuda_held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
         self.cpu_threads = configure_cpu_threads() if device.type == "cpu" else None
         if self.tp is not None and self.cpu_threads is not None:  # the ranks share this machine's cores
             self.cpu_threads = max(1, self.cpu_threads // self.tp.group.world)
@@ -259,7 +261,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            ours = torch.cuda.memory_reserved(self.device)
+            ours = torch.cuda.memory_reserved(self.device) - self._cuda_held_before  # this model's weights
             wanted = total * cache_config.gpu_memory_utilization
             gib = 1 << 30
             if free + ours < wanted:
