@@ -42,14 +42,44 @@ def test_greedy_equals_transformers_batched_with_prefix_cache_and_chunks(kind, t
         assert max(abs(lp[t] - w) for lp, t, w in zip(got.logprobs, got.token_ids, want_logprobs)) < 1e-4
 
 
-def test_a_sliding_window_bounds_the_context(tmp_path):
-    """Every layer attends fully, which equals the checkpoint's sliding-window attention only up to
-    the window: the served context stops there (Qwen's window counts only with use_sliding_window)."""
+def test_sliding_windows_are_read_as_transformers_applies_them(tmp_path):
+    """Mistral / Phi-3 slide every layer; Qwen only with use_sliding_window, on its layer_types (from
+    max_window_layers on); the served context is not cut to the window."""
     from ferrylm.model.loaders.hf_loader import load_hf_config
 
     mistral = load_hf_config(make_tiny_model("mistral", tmp_path / "m", sliding_window=48), "m")
-    qwen = load_hf_config(make_tiny_model("qwen3", tmp_path / "q", sliding_window=48), "q")
-    assert mistral.max_position_embeddings == 48 and qwen.max_position_embeddings == 512
+    phi3 = load_hf_config(make_tiny_model("phi3", tmp_path / "p", sliding_window=48), "p")
+    qwen_off = load_hf_config(make_tiny_model("qwen3", tmp_path / "q", sliding_window=48), "q")
+    qwen_on = load_hf_config(make_tiny_model("qwen2", tmp_path / "q2", sliding_window=48, use_sliding_window=True,
+                                             max_window_layers=1), "q2")
+    wide = load_hf_config(make_tiny_model("mistral", tmp_path / "w", sliding_window=4096), "w")
+    assert (mistral.sliding_window, mistral.sliding_layers, mistral.max_position_embeddings) == (48, (0, 1), 512)
+    assert (phi3.sliding_window, phi3.sliding_layers) == (48, (0, 1))
+    assert (qwen_off.sliding_layers, qwen_off.max_position_embeddings) == ((), 512)
+    assert (qwen_on.sliding_window, qwen_on.sliding_layers) == (48, (1,))
+    assert wide.sliding_layers == ()  # a window past the context cuts nothing
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("mistral", {"sliding_window": 8}), ("phi3", {"sliding_window": 8}), ("mixtral", {"sliding_window": 8}),
+    ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1})])
+def test_a_sliding_window_model_equals_transformers_past_its_window(kind, overrides, tmp_path):
+    """Prompts of 19-46 tokens and 32 new ones, windows of 8: every query's window cuts its context,
+    in prefill chunks (16 tokens), from prefix-cache hits and in decode; greedy equals transformers."""
+    from ferrylm import LLM
+
+    directory = str(add_word_tokenizer(make_tiny_model(kind, tmp_path / kind, **overrides)))
+    prompts = [SHARED + [200 + i] * (1 + 9 * i) for i in range(4)]
+    llm = LLM(directory, dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=True, enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 16 for o in outs[1:])
+    for prompt, out in zip(prompts, outs):
+        want_tokens, want_logprobs = _greedy_reference(directory, prompt)
+        got = out.outputs[0]
+        assert got.token_ids == want_tokens
+        assert max(abs(lp[t] - w) for lp, t, w in zip(got.logprobs, got.token_ids, want_logprobs)) < 1e-4
 
 
 def test_rope_scaling_we_cannot_honour_is_a_load_error_naming_it(tmp_path):

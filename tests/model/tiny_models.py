@@ -24,10 +24,10 @@ def make_tiny_model(kind: str, directory: Path, shard_size: str | None = None, *
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
     elif kind == "qwen2":
-        config = transformers.Qwen2Config(**kw, tie_word_embeddings=True, use_sliding_window=False)
+        config = transformers.Qwen2Config(**{"use_sliding_window": False, **kw}, tie_word_embeddings=True)
     elif kind == "qwen3":  # per-head q/k norms; head_dim wider than hidden / heads, as in Qwen3-0.6B
-        config = transformers.Qwen3Config(**{**kw, "head_dim": 32, **overrides}, tie_word_embeddings=True,
-                                          use_sliding_window=False)
+        config = transformers.Qwen3Config(**{"use_sliding_window": False, **kw, "head_dim": 32, **overrides},
+                                          tie_word_embeddings=True)
     elif kind == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint; partial RoPE like Phi-4-mini
         config = transformers.Phi3Config(**kw, pad_token_id=0, partial_rotary_factor=0.5, tie_word_embeddings=False)
     elif kind == "mixtral":  # 4 experts, top 2 (renormalised)

@@ -95,7 +95,8 @@ def load_hf_config(directory: Path, name: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         name=name,
     )
-    return ModelConfig(**{**fields, **(gemma3_fields(cfg, where) if arch == "gemma3" else {})})
+    sliding = gemma3_fields(cfg, where) if arch == "gemma3" else _sliding_fields(cfg, arch, where)
+    return ModelConfig(**{**fields, **sliding})
 
 
 def _experts(cfg: dict, arch: str) -> dict:
@@ -123,22 +124,45 @@ def _experts(cfg: dict, arch: str) -> dict:
 
 
 def _full_attention_span(cfg: dict, arch: str) -> int:
-    """The context the model serves: max_position_embeddings, cut to the sliding window where the
-    checkpoint uses one (Mistral's and Phi-3's `sliding_window`; Qwen's only with
-    `use_sliding_window`). Every layer attends fully, which equals sliding-window attention on
-    sequences no longer than the window, so outputs stay the reference's. Gemma 3's layers slide
-    for real (ModelConfig.sliding_layers): its context is not cut. Mistral / Phi-3 / Qwen keep the
-    cut because the Triton backend has no window: a real one would refuse them on GPUs."""
+    """The context the model serves: max_position_embeddings (sliding windows are real attention
+    windows, see _sliding_fields); Llama 4's is cut where its chunked attention and NoPE temperature
+    tuning would start, which are not built."""
     span = cfg.get("max_position_embeddings", 2048)
-    if arch == "gemma3":
-        return span
-    if arch == "llama4":  # chunked attention and NoPE temperature tuning both start past these
+    if arch == "llama4":
         span = min(span, cfg.get("attention_chunk_size") or span,
                    cfg.get("floor_scale", span + 1) - 1 if cfg.get("attn_temperature_tuning") else span)
+    return span
+
+
+def _sliding_fields(cfg: dict, arch: str, where: str) -> dict:
+    """Sliding-window attention as transformers runs it: Mistral, Mixtral and Phi-3 slide every layer
+    when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`, on the layers
+    `layer_types` names (else those from `max_window_layers` on), Qwen3-MoE then on every layer. A
+    query at p sees keys p - window + 1 .. p; older KV blocks are kept, masked (every backend)."""
     window = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
-        window = None
-    return min(span, window) if isinstance(window, int) and window > 0 else span
+    qwen = arch in ("qwen2", "qwen3", "qwen3_moe")
+    if (arch not in ("mistral", "mixtral", "phi3") and not qwen) or window is None:
+        return {}
+    if qwen and not cfg.get("use_sliding_window", False):
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"{where}: sliding_window must be a positive integer or null, not {window!r}")
+    layers = cfg["num_hidden_layers"]
+    if arch in ("qwen2", "qwen3"):
+        kinds = cfg.get("layer_types")
+        if kinds is not None:
+            if not isinstance(kinds, list) or len(kinds) != layers or \
+                    not set(kinds) <= {"sliding_attention", "full_attention"}:
+                raise ModelLoadError(f"{where}: layer_types must list 'sliding_attention' or 'full_attention' "
+                                     f"for each of the {layers} layers")
+            sliding = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+        else:
+            sliding = tuple(range(cfg.get("max_window_layers", 28), layers))
+    else:
+        sliding = tuple(range(layers))
+    if window >= cfg.get("max_position_embeddings", 2048) or not sliding:
+        return {}  # the window never cuts anything: every layer attends fully
+    return {"sliding_window": window, "sliding_layers": sliding}
 
 
 def _shard_files(directory: Path) -> list[Path]:
