@@ -2,8 +2,8 @@
 graphs on, prefix caching and 16-token chunked prefill) in float32 gives transformers' greedy tokens
 on the same random weights (CPU, float32), logprobs within 1e-3.
 
-Gemma 3's sliding-window layers run the Triton kernels' window path here; MoE models run their
-expert loop on the GPU. Skipped without CUDA or triton.
+Gemma 3's sliding-window layers, and Mistral's and Phi-3's with a window, run the Triton kernels'
+window path here; MoE models run their expert loop on the GPU. Skipped without CUDA or triton.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ pytestmark = [
 
 TOKENS = 32
 SHARED = [5, 9, 33, 70, 41, 18, 27, 64, 12, 90, 101, 7, 55, 38, 29, 77, 150, 3]  # > one 16-token block
-KINDS = ["llama3", "qwen3", "phi3", "mixtral", "qwen3_moe", "llama4", "gemma3"]
+KINDS = [("llama3", {}), ("qwen3", {}), ("phi3", {}), ("mixtral", {}), ("qwen3_moe", {}), ("llama4", {}),
+         ("gemma3", {}), ("mistral", {"sliding_window": 8}), ("phi3", {"sliding_window": 8})]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_greedy_on_gpu_equals_transformers(kind, tmp_path):
+@pytest.mark.parametrize("kind,overrides", KINDS, ids=[k + ("-window" if o else "") for k, o in KINDS])
+def test_greedy_on_gpu_equals_transformers(kind, overrides, tmp_path):
     import transformers
 
     from ferrylm import LLM, SamplingParams
 
-    directory = str(add_word_tokenizer(make_tiny_model(kind, tmp_path / kind)))
+    directory = str(add_word_tokenizer(make_tiny_model(kind, tmp_path / kind, **overrides)))
     # Gemma 3's window is 8: prompts of 19-46 tokens plus 32 new ones cross it in prefill and in decode
     prompts = [SHARED + [200 + i] * (1 + 9 * i) for i in range(4)]
     llm = LLM(directory, dtype="float32", device="cuda", max_num_batched_tokens=16, enable_prefix_caching=True,
