@@ -150,6 +150,89 @@ def test_qwen3_gguf_matches_transformers(tmp_path):
         assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
 
 
+def _write_phi3_gguf(path, directory, kind) -> None:
+    """The tiny Phi-3's weights as llama.cpp's converter writes a "phi3" GGUF: fused attn_qkv and
+    ffn_up (= gate_up_proj) kept fused, rope.dimension_count the partial rotary width, and the
+    sliding window key llama.cpp reads and ignores."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    T = gguf.GGMLQuantizationType
+    weights = load_file(str(directory / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    for add, value in [(writer.add_context_length, 512), (writer.add_embedding_length, 64), (writer.add_block_count, 2),
+                       (writer.add_feed_forward_length, 128), (writer.add_head_count, 4),
+                       (writer.add_head_count_kv, 2), (writer.add_layer_norm_rms_eps, 1e-6),
+                       (writer.add_rope_freq_base, 10000.0), (writer.add_rope_dimension_count, 8),
+                       (writer.add_sliding_window, 256), (writer.add_vocab_size, 320), (writer.add_eos_token_id, 2)]:
+        add(value)
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        array, k = tensor.float().numpy(), (kind if tensor.dim() == 2 else T.F32)
+        if k == T.F32:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, k), raw_dtype=k)
+
+    put("token_embd.weight", weights["model.embed_tokens.weight"])
+    put("output_norm.weight", weights["model.norm.weight"])
+    put("output.weight", weights["lm_head.weight"])
+    names = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    for i in range(2):
+        for gguf_name, hf_name in names.items():
+            put(f"blk.{i}.{gguf_name}.weight", weights[f"model.layers.{i}.{hf_name}.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_phi3_gguf_matches_transformers(tmp_path):
+    """A "phi3" GGUF (fused qkv / gate_up, partial RoPE) in float32 gives transformers' logits on the
+    same weights; with Q8_0 blocks (kept packed, the fused rows sliced) within quantization error."""
+    gguf = pytest.importorskip("gguf")
+    directory = make_tiny_model("phi3", tmp_path / "phi3")
+    prompt = list(range(3, 60))
+    expected = _reference_logits(directory, prompt)
+    for name, kind, tol in [("f32", gguf.GGMLQuantizationType.F32, 1e-4), ("q8", gguf.GGMLQuantizationType.Q8_0, 5e-2)]:
+        path = tmp_path / f"{name}.gguf"
+        _write_phi3_gguf(path, directory, kind)
+        model, caches = _ours(path, fast=True)
+        cfg = model.config
+        assert (cfg.architecture, cfg.rotary_dim, cfg.sliding_layers, cfg.max_position_embeddings) == \
+            ("phi3", 8, (), 512)
+        with torch.no_grad():
+            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
+        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
+
+
+def test_phi3_gguf_with_longrope_factors_is_a_load_error_naming_them(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from ferrylm.model.loaders.model_source import ModelLoadError
+
+    directory = make_tiny_model("phi3", tmp_path / "phi3")
+    path = tmp_path / "longrope.gguf"
+    _write_phi3_gguf(path, directory, gguf.GGMLQuantizationType.F32)
+    patched = tmp_path / "patched.gguf"
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(patched), "phi3")
+    for field in reader.fields.values():
+        if field.name.startswith("phi3.") or field.name == "tokenizer.ggml.eos_token_id":
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data))
+    writer.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="rope_factors_long"):
+        _ours(patched)
+
+
 def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's convert script's Q/K row permutation for the "llama" arch (rotate-half → interleaved)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -24,7 +24,10 @@ from ferrylm.model.loaders.gguf_gemma3 import gemma3_gguf_fields
 from ferrylm.model.loaders.model_source import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
+                      "qwen3moe": "qwen3_moe", "gemma3": "gemma3", "phi3": "phi3"}
+# Phi-3's fused projections as llama.cpp's converter writes them: attn_qkv = [q; k; v] rows, ffn_up =
+# [gate; up] rows (its SwiGLU takes the first half as the gate, as transformers' Phi3MLP does)
+_PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -191,8 +194,14 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     scaling = None
     if key("rope.scaling.type") in ("linear",):
         scaling = (("factor", key("rope.scaling.factor")), ("rope_type", "linear"))
-    if "rope_freqs.weight" in gguf.tensor_names():
-        raise ModelLoadError(f"{gguf.path}: per-frequency RoPE factors (rope_freqs) are not supported yet")
+    names = gguf.tensor_names()
+    for factors in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        if factors in names:  # Llama 3.1's frequency factors, Phi-3's LongRoPE
+            raise ModelLoadError(f"{gguf.path}: per-frequency RoPE factors ({factors.removesuffix('.weight')}) are "
+                                 "not supported yet")
+    # Phi-3: partial RoPE (rope.dimension_count of head_dim); attention.sliding_window is ignored, as
+    # llama.cpp ignores it for this arch (it attends fully)
+    rotary = key("rope.dimension_count") if arch == "phi3" else None
     eos = gguf.field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="mixtral" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch],
@@ -207,7 +216,8 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
         rope_theta=key("rope.freq_base", 1_000_000.0 if gemma3 else 10000.0),  # transformers' defaults
         rope_scaling=scaling,
         max_position_embeddings=key("context_length", 2048),
-        tie_word_embeddings="output.weight" not in gguf.tensor_names(),
+        tie_word_embeddings="output.weight" not in names,
+        rotary_dim=rotary if rotary and rotary != head_dim else None,
         attention_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         **experts,
@@ -301,8 +311,9 @@ def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str
     """Yield (HF checkpoint name, tensor) for every tensor the model uses: 2-D tensors as GGUFTensor
     (Q/K rows already un-permuted), 1-D ones as float32 (Gemma 3's norms without llama.cpp's +1)."""
     permute = config.architecture in ("llama", "mistral", "mixtral")
-    gemma3 = config.architecture == "gemma3"
-    layer_names = {**_LAYER_NAMES, **GEMMA3_LAYER_NAMES} if gemma3 else _LAYER_NAMES
+    gemma3, phi3 = config.architecture == "gemma3", config.architecture == "phi3"
+    layer_names = {**_LAYER_NAMES, **GEMMA3_LAYER_NAMES} if gemma3 else \
+        {**_LAYER_NAMES, **_PHI3_FUSED} if phi3 else _LAYER_NAMES
     for t in gguf.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", t.name)
         if m:
@@ -319,4 +330,25 @@ def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str
             w = cast(GGUFTensor, w).with_rows(unpermute_qk(w.data, config.num_heads))
         elif permute and name.endswith("k_proj.weight"):
             w = cast(GGUFTensor, w).with_rows(unpermute_qk(w.data, config.num_kv_heads))
+        if phi3 and name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
+            yield from _split_fused(gguf, t, name, cast(GGUFTensor, w), config)
+            continue
         yield name, w
+
+
+def _split_fused(gguf: GGUFFile, t: TensorInfo, name: str, w: GGUFTensor,
+                 config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
+    """Phi-3's fused qkv / gate_up rows as the separate projections (row slices of the blocks)."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    if name.endswith(".qkv_proj.weight"):
+        base, parts = name.removesuffix("qkv_proj.weight"), [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+    else:
+        ff = config.intermediate_size
+        base, parts = name.removesuffix("gate_up_proj.weight"), [("gate_proj", ff), ("up_proj", ff)]
+    if w.shape[0] != sum(n for _, n in parts):
+        raise ModelLoadError(f"{gguf.path}: tensor {t.name!r} has {w.shape[0]} rows, not the "
+                             f"{' + '.join(str(n) for _, n in parts)} its fused projections need")
+    start = 0
+    for proj, rows in parts:
+        yield f"{base}{proj}.weight", GGUFTensor(w.ggml_type, w.data[start:start + rows], (rows, w.shape[1]))
+        start += rows
