@@ -40,6 +40,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, object], ...] | None = None  # dict items, hashable
+    # a GGUF file's rope_freqs tensor (llama.cpp's converter writes Llama 3.1+ scaling this way): each
+    # rotary frequency is divided by its factor
+    rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v bias

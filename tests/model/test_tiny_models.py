@@ -238,6 +238,105 @@ def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _llama3_rope_freqs(theta: float, head_dim: int, scaling: dict) -> list[float]:
+    """The rope_freqs factors llama.cpp's converter (LlamaModel.generate_extra_tensors) writes for
+    Llama 3.1-style scaling: 1 for short wavelengths, `factor` for long ones, a smooth blend between."""
+    import math
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path):
+    """A Llama 3.1-style GGUF as llama.cpp writes it (q/k rows permuted, tied embeddings, no
+    rope_scaling keys but a rope_freqs tensor): transformers' logits over 300 positions, which the
+    scaled frequencies change (the file without its factors does not match)."""
+    gguf = pytest.importorskip("gguf")
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    directory = make_tiny_model("llama3", tmp_path / "llama3")
+    hf = json.loads((directory / "config.json").read_text())
+    scaling = hf.get("rope_scaling") or hf["rope_parameters"]
+    theta = hf.get("rope_theta") or scaling["rope_theta"]
+    weights = load_file(str(directory / "model.safetensors"))
+    prompt = [3 + (7 * j) % 300 for j in range(300)]
+    expected = _reference_logits(directory, prompt)
+
+    def write(path, factors):
+        writer = gguf.GGUFWriter(str(path), "llama")
+        for add, value in [(writer.add_context_length, 512), (writer.add_embedding_length, 64),
+                           (writer.add_block_count, 2), (writer.add_feed_forward_length, 128),
+                           (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
+                           (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_rope_freq_base, theta),
+                           (writer.add_rope_dimension_count, 16), (writer.add_vocab_size, 320)]:
+            add(value)
+        if factors is not None:
+            writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+        writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"].numpy())
+        writer.add_tensor("output_norm.weight", weights["model.norm.weight"].numpy())
+        names = {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+                 "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+                 "ffn_norm": "post_attention_layernorm"}
+        for i in range(2):
+            p = f"model.layers.{i}."
+            for g, h, heads in [("attn_q", "self_attn.q_proj", 4), ("attn_k", "self_attn.k_proj", 2)]:
+                writer.add_tensor(f"blk.{i}.{g}.weight", _llama_cpp_permute(weights[p + h + ".weight"], heads).numpy())
+            for g, h in names.items():
+                writer.add_tensor(f"blk.{i}.{g}.weight", weights[p + h + ".weight"].numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    batch = ForwardBatch.build([prompt], [0], [list(range(19))], BLOCK)
+    errors = {}
+    for name, factors in [("rope_freqs", _llama3_rope_freqs(theta, 16, scaling)), ("without", None)]:
+        path = tmp_path / f"{name}.gguf"
+        write(path, factors)
+        model, caches = _ours(path, fast=True)
+        with torch.no_grad():
+            got = model.compute_logits(model(batch, caches))
+        errors[name] = (got - expected).abs().max().item() / max(1.0, expected.abs().max().item())
+    assert errors["rope_freqs"] < 1e-4 and errors["without"] > 1e-3, errors  # measured: 2.6e-7, 2.7e-3
+
+
+def test_gguf_rope_freqs_of_the_wrong_length_is_a_load_error(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from ferrylm.model.loaders.model_source import ModelLoadError
+
+    path = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(writer.add_context_length, 64), (writer.add_embedding_length, 64), (writer.add_block_count, 1),
+                       (writer.add_feed_forward_length, 128), (writer.add_head_count, 4),
+                       (writer.add_head_count_kv, 2), (writer.add_vocab_size, 32)]:
+        add(value)
+    for name, factors in [("rope_freqs.weight", np.ones(5, dtype=np.float32)),
+                          ("token_embd.weight", np.zeros((32, 64), dtype=np.float32))]:
+        writer.add_tensor(name, factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight.*8 finite positive"):
+        _ours(path)
+
+
 def _write_moe_gguf(path, weights: dict, kind, arch: str, experts: int, width: int, rope_theta: float) -> None:
     """A tiny MoE as llama.cpp writes it: `arch` "qwen3moe" (q/k norms, head_dim 32) or "llama"
     (Mixtral: q/k rows permuted, an output matrix); experts stacked in ffn_{gate,up,down}_exps

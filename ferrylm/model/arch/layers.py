@@ -86,9 +86,10 @@ class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, fused_ops=None,
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None, freq_factors: tuple[float, ...] | None = None):
         """`rotary_dim`: the leading dims of each head that rotate (Phi's partial_rotary_factor); the
-        rest pass through unrotated. Default: the whole head."""
+        rest pass through unrotated. Default: the whole head. `freq_factors`: one divisor per rotary
+        frequency (a GGUF file's rope_freqs, as llama.cpp applies them), instead of `scaling`."""
         super().__init__()
         self.fused_ops = fused_ops
         self.rotary_dim = rotary_dim or head_dim
@@ -97,6 +98,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
         self.scaling, self.rope_type = scaling, rope_type
+        if freq_factors is not None and (len(freq_factors) != self.rotary_dim // 2 or scaling):
+            raise ValueError(f"RoPE frequency factors: {len(freq_factors)} given for {self.rotary_dim // 2} "
+                             "frequencies" + (", beside rope_scaling" if scaling else ""))
+        self.freq_factors = freq_factors
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.build_table(torch.device("cpu"))
@@ -110,6 +115,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, cast(dict, self.scaling))  # a rope_type implies scaling
         elif self.rope_type == "linear":
             inv_freq = inv_freq / cast(dict, self.scaling)["factor"]
+        if self.freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(self.freq_factors, dtype=torch.float32, device=device)
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq.float())
         self.cos, self.sin = freqs.cos(), freqs.sin()

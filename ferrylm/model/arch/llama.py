@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = backend  # shared by every layer; prepare(batch) once per forward
         positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling_dict,
-                                      fused_ops, config.rotary_dim)
+                                      fused_ops, config.rotary_dim, config.rope_freq_factors)
         head_quant = lm_head_quant or quant or UnquantizedMethod()
         self.embed_tokens: nn.Embedding | None = None
         if not (config.tie_word_embeddings and not isinstance(head_quant, UnquantizedMethod)):

@@ -195,13 +195,17 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     if key("rope.scaling.type") in ("linear",):
         scaling = (("factor", key("rope.scaling.factor")), ("rope_type", "linear"))
     names = gguf.tensor_names()
-    for factors in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
-        if factors in names:  # Llama 3.1's frequency factors, Phi-3's LongRoPE
-            raise ModelLoadError(f"{gguf.path}: per-frequency RoPE factors ({factors.removesuffix('.weight')}) are "
+    for factors in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if factors in names:  # Phi-3's LongRoPE (Phi-3-128k, Phi-3.5)
+            raise ModelLoadError(f"{gguf.path}: LongRoPE frequency factors ({factors.removesuffix('.weight')}) are "
                                  "not supported yet")
     # Phi-3: partial RoPE (rope.dimension_count of head_dim); attention.sliding_window is ignored, as
     # llama.cpp ignores it for this arch (it attends fully)
     rotary = key("rope.dimension_count") if arch == "phi3" else None
+    freq_factors = _rope_freq_factors(gguf, (rotary or head_dim) // 2) if "rope_freqs.weight" in names else None
+    if freq_factors is not None and scaling is not None:
+        raise ModelLoadError(f"{gguf.path}: both rope_freqs and rope.scaling.type {key('rope.scaling.type')!r}: "
+                             "only one RoPE scaling can apply")
     eos = gguf.field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="mixtral" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch],
@@ -218,6 +222,7 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
         max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         rotary_dim=rotary if rotary and rotary != head_dim else None,
+        rope_freq_factors=freq_factors,
         attention_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         **experts,
@@ -226,6 +231,21 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
         eos_token_ids=(eos,) if eos is not None else (),
         name=name,
     )
+
+
+def _rope_freq_factors(gguf: GGUFFile, frequencies: int) -> tuple[float, ...]:
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3.1+ RoPE scaling (and Llama 4):
+    one positive divisor per rotary frequency, applied to every RoPE layer."""
+    t = next(t for t in gguf.tensors if t.name == "rope_freqs.weight")
+    try:
+        values = dequantize(gguf.data(t), t.tensor_type, tuple(reversed(t.shape))).flatten()
+    except ValueError as e:
+        raise ModelLoadError(f"{gguf.path}: tensor 'rope_freqs.weight': {e}") from None
+    if values.numel() != frequencies or not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+        raise ModelLoadError(f"{gguf.path}: tensor 'rope_freqs.weight' must hold {frequencies} finite positive "
+                             f"factors (one per rotary frequency), not {values.numel()} values "
+                             f"{values[:4].tolist()}...")
+    return tuple(float(v) for v in values)
 
 
 def _vocab_size(gguf: GGUFFile, declared: int | None) -> int:
