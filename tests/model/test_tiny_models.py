@@ -238,6 +238,79 @@ def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _write_llama4_gguf(path, directory, kind) -> None:
+    """The tiny Llama 4 as llama.cpp's converter (Llama4Model) writes it: q/k rows as stored (Meta's
+    interleaved pairs, undo_permute False), each MoE layer's fused experts split and transposed into
+    stacked ffn_{gate,up,down}_exps, the router and the shared expert under their llama.cpp names."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    T = gguf.GGMLQuantizationType
+    w = load_file(str(directory / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), "llama4")
+    for add, value in [(writer.add_context_length, 512), (writer.add_embedding_length, 64),
+                       (writer.add_block_count, 4), (writer.add_feed_forward_length, 128),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_layer_norm_rms_eps, 1e-6),
+                       (writer.add_rope_freq_base, 500000.0), (writer.add_rope_dimension_count, 16),
+                       (writer.add_expert_count, 4), (writer.add_expert_used_count, 1),
+                       (writer.add_expert_feed_forward_length, 64), (writer.add_interleave_moe_layer_step, 2),
+                       (writer.add_vocab_size, 320)]:
+        add(value)
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        array, k = tensor.float().contiguous().numpy(), (kind if tensor.dim() >= 2 else T.F32)
+        if k == T.F32:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, k), raw_dtype=k)
+
+    put("token_embd.weight", w["model.embed_tokens.weight"])
+    put("output_norm.weight", w["model.norm.weight"])
+    put("output.weight", w["lm_head.weight"])
+    for i in range(4):
+        p = f"model.layers.{i}."
+        for g, h in [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                     ("attn_output", "self_attn.o_proj"), ("attn_norm", "input_layernorm"),
+                     ("ffn_norm", "post_attention_layernorm")]:
+            put(f"blk.{i}.{g}.weight", w[p + h + ".weight"])
+        if i % 2 == 0:  # dense
+            for g in ("gate", "up", "down"):
+                put(f"blk.{i}.ffn_{g}.weight", w[f"{p}feed_forward.{g}_proj.weight"])
+            continue
+        gate, up = w[p + "feed_forward.experts.gate_up_proj"].transpose(-1, -2).split(64, dim=-2)
+        put(f"blk.{i}.ffn_gate_exps.weight", gate)
+        put(f"blk.{i}.ffn_up_exps.weight", up)
+        put(f"blk.{i}.ffn_down_exps.weight", w[p + "feed_forward.experts.down_proj"].transpose(-1, -2))
+        put(f"blk.{i}.ffn_gate_inp.weight", w[p + "feed_forward.router.weight"])
+        for g in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{g}_shexp.weight", w[f"{p}feed_forward.shared_expert.{g}_proj.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_llama4_gguf_matches_transformers(tmp_path):
+    """A "llama4" GGUF (interleaved dense/MoE layers, sigmoid top-1 router, shared expert, NoPE layer
+    3, L2 q/k norm, all rebuilt from llama.cpp's conventions) in float32 gives transformers' logits;
+    with Q8_0 blocks, within quantization error, experts kept packed."""
+    gguf = pytest.importorskip("gguf")
+    directory = make_tiny_model("llama4", tmp_path / "llama4")
+    prompt = list(range(3, 60))
+    expected = _reference_logits(directory, prompt)
+    for name, kind, tol in [("f32", gguf.GGMLQuantizationType.F32, 1e-4), ("q8", gguf.GGMLQuantizationType.Q8_0, 5e-2)]:
+        path = tmp_path / f"{name}.gguf"
+        _write_llama4_gguf(path, directory, kind)
+        model, caches = _ours(path, fast=True)
+        cfg = model.config
+        assert (cfg.architecture, cfg.moe_layers, cfg.nope_layers, cfg.qk_l2_norm, cfg.moe_router,
+                cfg.shared_expert_intermediate_size, cfg.max_position_embeddings) == \
+            ("llama4", (1, 3), (3,), True, "sigmoid", 64, 512)
+        with torch.no_grad():
+            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
+        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
+
+
 def _llama3_rope_freqs(theta: float, head_dim: int, scaling: dict) -> list[float]:
     """The rope_freqs factors llama.cpp's converter (LlamaModel.generate_extra_tensors) writes for
     Llama 3.1-style scaling: 1 for short wavelengths, `factor` for long ones, a smooth blend between."""
@@ -433,3 +506,23 @@ def test_moe_gguf_matches_transformers(tmp_path, arch):
         with torch.no_grad():
             want = twin.compute_logits(twin(batch, caches))
         assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_llama4_gguf_without_experts_is_a_load_error_naming_the_key(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from ferrylm.model.loaders.model_source import ModelLoadError
+
+    path = tmp_path / "dense.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama4")
+    for add, value in [(writer.add_context_length, 64), (writer.add_embedding_length, 64), (writer.add_block_count, 1),
+                       (writer.add_feed_forward_length, 128), (writer.add_head_count, 4), (writer.add_vocab_size, 32)]:
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="llama4.expert_count"):
+        _ours(path)

@@ -21,10 +21,12 @@ from ferrylm.model.loaders.gguf_dequant import BLOCK_SIZES, GGMLType, as_bytes, 
 from ferrylm.model.loaders.gguf_gemma3 import LAYER_NAMES as GEMMA3_LAYER_NAMES
 from ferrylm.model.loaders.gguf_gemma3 import NORM_SHIFT as GEMMA3_NORM_SHIFT
 from ferrylm.model.loaders.gguf_gemma3 import gemma3_gguf_fields
+from ferrylm.model.loaders.gguf_llama4 import LAYER_NAMES as LLAMA4_LAYER_NAMES
+from ferrylm.model.loaders.gguf_llama4 import llama4_gguf_fields
 from ferrylm.model.loaders.model_source import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen3moe": "qwen3_moe", "gemma3": "gemma3", "phi3": "phi3"}
+                      "qwen3moe": "qwen3_moe", "gemma3": "gemma3", "phi3": "phi3", "llama4": "llama4"}
 # Phi-3's fused projections as llama.cpp's converter writes them: attn_qkv = [q; k; v] rows, ffn_up =
 # [gate; up] rows (its SwiGLU takes the first half as the gate, as transformers' Phi3MLP does)
 _PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
@@ -176,11 +178,11 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
         return gguf.field(f"{arch}.{suffix}", default)
 
     experts = {}
-    if key("expert_count"):
+    if key("expert_count") and arch != "llama4":
         if arch not in ("llama", "qwen3moe"):
             raise ModelLoadError(f"{gguf.path}: mixture-of-experts GGUF files of arch {arch!r} "
                                  f"({arch}.expert_count {key('expert_count')}) are not supported "
-                                 "(supported: llama (Mixtral), qwen3moe)")
+                                 "(supported: llama (Mixtral), qwen3moe, llama4)")
         # llama.cpp renormalises the chosen experts' weights for both (Mixtral always; Qwen3-MoE's
         # releases set norm_topk_prob), unless the file says otherwise
         experts = dict(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
@@ -190,7 +192,9 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     hidden = key("embedding_length")
     head_dim = key("attention.key_length") or hidden // heads
     gemma3 = arch == "gemma3"
-    extra = gemma3_gguf_fields(key, key("block_count"), hidden, heads, head_dim, str(gguf.path)) if gemma3 else {}
+    extra = gemma3_gguf_fields(key, key("block_count"), hidden, heads, head_dim, str(gguf.path)) if gemma3 else \
+        llama4_gguf_fields(key, key("block_count"), str(gguf.path)) if arch == "llama4" else {}
+    span = extra.pop("max_position_embeddings", key("context_length", 2048))
     scaling = None
     if key("rope.scaling.type") in ("linear",):
         scaling = (("factor", key("rope.scaling.factor")), ("rope_type", "linear"))
@@ -219,7 +223,7 @@ def load_gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
         rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6 if gemma3 else 1e-5),
         rope_theta=key("rope.freq_base", 1_000_000.0 if gemma3 else 10000.0),  # transformers' defaults
         rope_scaling=scaling,
-        max_position_embeddings=key("context_length", 2048),
+        max_position_embeddings=span,
         tie_word_embeddings="output.weight" not in names,
         rotary_dim=rotary if rotary and rotary != head_dim else None,
         rope_freq_factors=freq_factors,
@@ -330,10 +334,13 @@ def _raw_tensor(gguf: GGUFFile, t: TensorInfo) -> GGUFTensor | torch.Tensor:
 def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor | torch.Tensor]]:
     """Yield (HF checkpoint name, tensor) for every tensor the model uses: 2-D tensors as GGUFTensor
     (Q/K rows already un-permuted), 1-D ones as float32 (Gemma 3's norms without llama.cpp's +1)."""
-    permute = config.architecture in ("llama", "mistral", "mixtral")
+    # q / k rows in llama.cpp's interleaved RoPE order: permuted by its converter (llama, Mistral,
+    # Mixtral) or as Meta stores them (Llama 4)
+    permute = config.architecture in ("llama", "mistral", "mixtral", "llama4")
     gemma3, phi3 = config.architecture == "gemma3", config.architecture == "phi3"
-    layer_names = {**_LAYER_NAMES, **GEMMA3_LAYER_NAMES} if gemma3 else \
-        {**_LAYER_NAMES, **_PHI3_FUSED} if phi3 else _LAYER_NAMES
+    extra_names = GEMMA3_LAYER_NAMES if gemma3 else _PHI3_FUSED if phi3 else \
+        LLAMA4_LAYER_NAMES if config.architecture == "llama4" else {}
+    layer_names = {**_LAYER_NAMES, **extra_names}
     for t in gguf.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", t.name)
         if m:
