@@ -62,7 +62,12 @@ class Tokenizer:
                 return AutoTokenizer.from_pretrained(str(cache))
             except (OSError, ValueError):
                 pass  # a damaged cache entry: rebuild it below
-        hf = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
+        except ValueError as e:
+            if "is not supported yet" not in str(e):  # transformers has no config mapping for this arch
+                raise
+            hf = Tokenizer._load_vocab_only(source, cache)
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         try:
             hf.save_pretrained(str(tmp))
@@ -74,6 +79,21 @@ class Tokenizer:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written or losing copy behind
         return hf
+
+    @staticmethod
+    def _load_vocab_only(source: ModelSource, cache: Path) -> Any:
+        """The vocabulary of a GGUF whose architecture transformers' reader refuses, through a
+        vocabulary-only copy (tokenizer_gguf.py) beside the tokenizer cache."""
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        from ferrylm.tokenizer_gguf import vocab_only_copy
+
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache.parent) as tmp:
+            copy = vocab_only_copy(source.path, Path(tmp) / "vocab.gguf")
+            return AutoTokenizer.from_pretrained(tmp, gguf_file=copy.name)
 
     @property
     def vocab_size(self) -> int:

@@ -23,3 +23,32 @@ def test_cache_is_written_rebuilt_when_damaged_and_leaves_no_temp_dirs(tmp_path,
     json.loads((cache / "tokenizer.json").read_text())  # repaired, not left damaged
     assert [p.name for p in cache.parent.iterdir()] == [cache.name]
     assert Tokenizer.load(source).encode("Hello, world!") == want  # now read from the cache
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_read_still_gives_its_vocabulary(tmp_path, monkeypatch):
+    """transformers' GGUF reader refuses arch `llama4` outright; the file's tokenizer fields do not
+    depend on it: the same vocabulary in a llama4 file encodes, decodes and templates as SmolLM2's."""
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+    smol = resolve_model("smollm2-135m")
+    reader = gguf.GGUFReader(str(smol.path))
+    path = tmp_path / "llama4.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama4")
+    for field in reader.fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            extra = {"sub_type": field.types[-1]} if kind == gguf.GGUFValueType.ARRAY else {}
+            writer.add_key_value(field.name, field.contents(), kind, **extra)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    want, got = Tokenizer.load(smol), Tokenizer.load(resolve_model(str(path)))
+    text = "Ferries dock at 9:30 — ünïcode, tabs\tand  spaces."
+    assert got.encode(text) == want.encode(text) and got.decode(got.encode(text)) == want.decode(want.encode(text))
+    assert got.vocab_size == want.vocab_size and got.eos_token_ids == want.eos_token_ids
+    assert got.hf.chat_template == want.hf.chat_template
+    assert not list((tmp_path / "cache" / "tokenizers").glob("tmp*"))  # the vocabulary-only copy is gone
