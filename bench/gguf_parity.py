@@ -127,7 +127,8 @@ def main() -> None:
             rows.append((arch, outtype, agree, first, at))
             print(json.dumps({"arch": arch, "file": outtype, "agree": agree, "first_divergence": first,
                               "top2_margin_there": at}), flush=True)
-    print(f"\narch | file | tokens equal (of {PROMPTS * NEW}) | first divergence per prompt | FerryLM top-2 margin there")
+    print(f"\narch | file | tokens equal (of {PROMPTS * NEW}) | first divergence per prompt | "
+          "FerryLM top-2 margin there")
     print("-----|------|------|------|------")
     for arch, outtype, agree, first, at in rows:
         print(f"{arch} | {outtype} | {agree} | {first} | {at}")
