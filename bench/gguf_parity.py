@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.anchors.llama_server import LlamaServerEngine  # noqa: E402
 from bench.anchors.peers import LLAMA_SERVER, PEERS, gguf_path  # noqa: E402
-from bench.moe_gguf import llama_cpp_tree  # noqa: E402
+from bench.moe_gguf import convert_hf, llama_cpp_tree  # noqa: E402
 
 WORK = PEERS / "gguf-parity"
 COMMON = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -76,12 +74,7 @@ def convert(arch: str, outtype: str) -> Path:
     WORK.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=WORK) as tmp:
         write_hf(Path(tmp), arch)
-        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), str(tree)])}
-        proc = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), tmp, "--outtype", outtype,
-                               "--outfile", str(out.with_suffix(".tmp"))], env=env, capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(f"convert_hf_to_gguf.py ({arch}) failed:\n{proc.stderr[-4000:]}")
-    out.with_suffix(".tmp").rename(out)
+        convert_hf(tree, Path(tmp), outtype, out)
     return out
 
 

@@ -78,6 +78,16 @@ def write_hf(directory: Path, shape: dict) -> None:
     tokenizer.save_pretrained(directory)
 
 
+def convert_hf(tree: Path, directory: Path, outtype: str, out: Path) -> None:
+    """llama.cpp's convert_hf_to_gguf.py (from `tree`) on a HF folder, into `out` (whole or not at all)."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), str(tree)])}
+    proc = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(directory), "--outtype", outtype,
+                           "--outfile", str(out.with_suffix(".tmp"))], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"convert_hf_to_gguf.py ({directory.name}) failed:\n{proc.stderr[-4000:]}")
+    out.with_suffix(".tmp").rename(out)
+
+
 def model_gguf(shape: dict, outtype: str) -> Path:
     """The GGUF (converted once, cached beside a stamp naming its shape)."""
     tree = llama_cpp_tree()
@@ -94,12 +104,7 @@ def model_gguf(shape: dict, outtype: str) -> Path:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="moe-hf-", dir=WORK) as tmp:
         write_hf(Path(tmp), shape)
-        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), str(tree)])}
-        proc = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), tmp, "--outtype", outtype,
-                               "--outfile", str(out.with_suffix(".tmp"))], env=env, capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
-    out.with_suffix(".tmp").rename(out)
+        convert_hf(tree, Path(tmp), outtype, out)
     stamp.write_text(json.dumps({"shape": shape, "outtype": outtype, "from": tree.name,
                                  "seconds": round(time.perf_counter() - start, 1)}))
     return out

@@ -95,6 +95,48 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert (got - _reference_logits(directory, prompt)[-1]).abs().max().item() < 1e-4
 
 
+def _finish(writer) -> None:
+    """Write a GGUFWriter's header, metadata and tensors, and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}  # llama.cpp's names of an untied model's outer tensors
+
+
+def _put(writer, name: str, tensor: torch.Tensor, kind) -> None:
+    """One tensor into a GGUFWriter: 1-D ones (norms) in F32, the others in block type `kind`."""
+    import gguf
+
+    array = tensor.float().contiguous().numpy()
+    if tensor.dim() < 2 or kind == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, array)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+
+
+def _gguf_matches_transformers(tmp_path, kind: str, write, check_config) -> None:
+    """The tiny `kind` model written as GGUF by `write(path, directory, block type)` in F32 gives
+    transformers' logits on the same weights (1e-4), in Q8_0 (blocks kept packed) within quantization
+    error (5e-2); `check_config(model.config)` asserts what the file's metadata must have become."""
+    gguf = pytest.importorskip("gguf")
+    directory = make_tiny_model(kind, tmp_path / kind)
+    prompt = list(range(3, 60))
+    expected = _reference_logits(directory, prompt)
+    for name, block, tol in [("f32", gguf.GGMLQuantizationType.F32, 1e-4),
+                             ("q8", gguf.GGMLQuantizationType.Q8_0, 5e-2)]:
+        path = tmp_path / f"{name}.gguf"
+        write(path, directory, block)
+        model, caches = _ours(path, fast=True)
+        check_config(model.config)
+        with torch.no_grad():
+            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
+        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
+
+
 def _write_qwen3_gguf(path, directory, kind_of) -> None:
     """The tiny Qwen3's weights as a llama.cpp-style "qwen3" GGUF (q/k not permuted, per-head q/k
     norms as attn_q_norm / attn_k_norm); `kind_of(gguf_name)` picks each 2-D tensor's block format."""
@@ -127,27 +169,16 @@ def _write_qwen3_gguf(path, directory, kind_of) -> None:
     for i in range(2):
         for gguf_name, hf_name in names.items():
             put(f"blk.{i}.{gguf_name}.weight", weights[f"model.layers.{i}.{hf_name}.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
 
 
 def test_qwen3_gguf_matches_transformers(tmp_path):
     """A "qwen3" GGUF in float32 gives transformers' logits on the same weights; with Q8_0 linears
     (kept packed) the logits stay within quantization error of them."""
-    gguf = pytest.importorskip("gguf")
-    directory = make_tiny_model("qwen3", tmp_path / "qwen3")
-    prompt = list(range(3, 60))
-    expected = _reference_logits(directory, prompt)
-    for name, kind, tol in [("f32", gguf.GGMLQuantizationType.F32, 1e-4), ("q8", gguf.GGMLQuantizationType.Q8_0, 5e-2)]:
-        path = tmp_path / f"{name}.gguf"
-        _write_qwen3_gguf(path, directory, lambda _, kind=kind: kind)
-        model, caches = _ours(path, fast=True)
-        assert model.config.architecture == "qwen3" and model.config.head_dim == 32
-        with torch.no_grad():
-            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
-        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
+    def check(cfg):
+        assert cfg.architecture == "qwen3" and cfg.head_dim == 32
+
+    _gguf_matches_transformers(tmp_path, "qwen3", lambda p, d, k: _write_qwen3_gguf(p, d, lambda _: k), check)
 
 
 def _write_phi3_gguf(path, directory, kind) -> None:
@@ -157,7 +188,6 @@ def _write_phi3_gguf(path, directory, kind) -> None:
     gguf = pytest.importorskip("gguf")
     from safetensors.torch import load_file
 
-    T = gguf.GGMLQuantizationType
     weights = load_file(str(directory / "model.safetensors"))
     writer = gguf.GGUFWriter(str(path), "phi3")
     for add, value in [(writer.add_context_length, 512), (writer.add_embedding_length, 64), (writer.add_block_count, 2),
@@ -168,43 +198,26 @@ def _write_phi3_gguf(path, directory, kind) -> None:
         add(value)
 
     def put(name: str, tensor: torch.Tensor) -> None:
-        array, k = tensor.float().numpy(), (kind if tensor.dim() == 2 else T.F32)
-        if k == T.F32:
-            writer.add_tensor(name, array)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(array, k), raw_dtype=k)
+        _put(writer, name, tensor, kind)
 
-    put("token_embd.weight", weights["model.embed_tokens.weight"])
-    put("output_norm.weight", weights["model.norm.weight"])
-    put("output.weight", weights["lm_head.weight"])
+    for name, hf_name in GLOBAL_TENSORS.items():
+        put(name, weights[hf_name])
     names = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
     for i in range(2):
         for gguf_name, hf_name in names.items():
             put(f"blk.{i}.{gguf_name}.weight", weights[f"model.layers.{i}.{hf_name}.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
 
 
 def test_phi3_gguf_matches_transformers(tmp_path):
     """A "phi3" GGUF (fused qkv / gate_up, partial RoPE) in float32 gives transformers' logits on the
     same weights; with Q8_0 blocks (kept packed, the fused rows sliced) within quantization error."""
-    gguf = pytest.importorskip("gguf")
-    directory = make_tiny_model("phi3", tmp_path / "phi3")
-    prompt = list(range(3, 60))
-    expected = _reference_logits(directory, prompt)
-    for name, kind, tol in [("f32", gguf.GGMLQuantizationType.F32, 1e-4), ("q8", gguf.GGMLQuantizationType.Q8_0, 5e-2)]:
-        path = tmp_path / f"{name}.gguf"
-        _write_phi3_gguf(path, directory, kind)
-        model, caches = _ours(path, fast=True)
-        cfg = model.config
+    def check(cfg):
         assert (cfg.architecture, cfg.rotary_dim, cfg.sliding_layers, cfg.max_position_embeddings) == \
             ("phi3", 8, (), 512)
-        with torch.no_grad():
-            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
-        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
+
+    _gguf_matches_transformers(tmp_path, "phi3", _write_phi3_gguf, check)
 
 
 def test_phi3_gguf_with_longrope_factors_is_a_load_error_naming_them(tmp_path):
@@ -225,10 +238,7 @@ def test_phi3_gguf_with_longrope_factors_is_a_load_error_naming_them(tmp_path):
     for t in reader.tensors:
         writer.add_tensor(t.name, np.array(t.data))
     writer.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     with pytest.raises(ModelLoadError, match="rope_factors_long"):
         _ours(patched)
 
@@ -245,7 +255,6 @@ def _write_llama4_gguf(path, directory, kind) -> None:
     gguf = pytest.importorskip("gguf")
     from safetensors.torch import load_file
 
-    T = gguf.GGMLQuantizationType
     w = load_file(str(directory / "model.safetensors"))
     writer = gguf.GGUFWriter(str(path), "llama4")
     for add, value in [(writer.add_context_length, 512), (writer.add_embedding_length, 64),
@@ -258,15 +267,10 @@ def _write_llama4_gguf(path, directory, kind) -> None:
         add(value)
 
     def put(name: str, tensor: torch.Tensor) -> None:
-        array, k = tensor.float().contiguous().numpy(), (kind if tensor.dim() >= 2 else T.F32)
-        if k == T.F32:
-            writer.add_tensor(name, array)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(array, k), raw_dtype=k)
+        _put(writer, name, tensor, kind)
 
-    put("token_embd.weight", w["model.embed_tokens.weight"])
-    put("output_norm.weight", w["model.norm.weight"])
-    put("output.weight", w["lm_head.weight"])
+    for name, hf_name in GLOBAL_TENSORS.items():
+        put(name, w[hf_name])
     for i in range(4):
         p = f"model.layers.{i}."
         for g, h in [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
@@ -284,31 +288,19 @@ def _write_llama4_gguf(path, directory, kind) -> None:
         put(f"blk.{i}.ffn_gate_inp.weight", w[p + "feed_forward.router.weight"])
         for g in ("gate", "up", "down"):
             put(f"blk.{i}.ffn_{g}_shexp.weight", w[f"{p}feed_forward.shared_expert.{g}_proj.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
 
 
 def test_llama4_gguf_matches_transformers(tmp_path):
     """A "llama4" GGUF (interleaved dense/MoE layers, sigmoid top-1 router, shared expert, NoPE layer
     3, L2 q/k norm, all rebuilt from llama.cpp's conventions) in float32 gives transformers' logits;
     with Q8_0 blocks, within quantization error, experts kept packed."""
-    gguf = pytest.importorskip("gguf")
-    directory = make_tiny_model("llama4", tmp_path / "llama4")
-    prompt = list(range(3, 60))
-    expected = _reference_logits(directory, prompt)
-    for name, kind, tol in [("f32", gguf.GGMLQuantizationType.F32, 1e-4), ("q8", gguf.GGMLQuantizationType.Q8_0, 5e-2)]:
-        path = tmp_path / f"{name}.gguf"
-        _write_llama4_gguf(path, directory, kind)
-        model, caches = _ours(path, fast=True)
-        cfg = model.config
+    def check(cfg):
         assert (cfg.architecture, cfg.moe_layers, cfg.nope_layers, cfg.qk_l2_norm, cfg.moe_router,
                 cfg.shared_expert_intermediate_size, cfg.max_position_embeddings) == \
             ("llama4", (1, 3), (3,), True, "sigmoid", 64, 512)
-        with torch.no_grad():
-            got = model.compute_logits(model(ForwardBatch.build([prompt], [0], [list(range(4))], BLOCK), caches))
-        assert (got - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item()), name
+
+    _gguf_matches_transformers(tmp_path, "llama4", _write_llama4_gguf, check)
 
 
 def _llama3_rope_freqs(theta: float, head_dim: int, scaling: dict) -> list[float]:
@@ -370,10 +362,7 @@ def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path):
                 writer.add_tensor(f"blk.{i}.{g}.weight", _llama_cpp_permute(weights[p + h + ".weight"], heads).numpy())
             for g, h in names.items():
                 writer.add_tensor(f"blk.{i}.{g}.weight", weights[p + h + ".weight"].numpy())
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        _finish(writer)
 
     batch = ForwardBatch.build([prompt], [0], [list(range(19))], BLOCK)
     errors = {}
@@ -402,10 +391,7 @@ def test_gguf_rope_freqs_of_the_wrong_length_is_a_load_error(tmp_path):
     for name, factors in [("rope_freqs.weight", np.ones(5, dtype=np.float32)),
                           ("token_embd.weight", np.zeros((32, 64), dtype=np.float32))]:
         writer.add_tensor(name, factors)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     with pytest.raises(ModelLoadError, match="rope_freqs.weight.*8 finite positive"):
         _ours(path)
 
@@ -456,10 +442,7 @@ def _write_moe_gguf(path, weights: dict, kind, arch: str, experts: int, width: i
         for g, h in [("ffn_gate_exps", "gate_proj"), ("ffn_up_exps", "up_proj"), ("ffn_down_exps", "down_proj")]:
             put(f"blk.{i}.{g}.weight",
                 torch.stack([weights[f"{p}mlp.experts.{e}.{h}.weight"] for e in range(experts)]), quantize=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "llama"], ids=["qwen3moe", "mixtral-as-llama"])
@@ -520,9 +503,6 @@ def test_llama4_gguf_without_experts_is_a_load_error_naming_the_key(tmp_path):
                        (writer.add_feed_forward_length, 128), (writer.add_head_count, 4), (writer.add_vocab_size, 32)]:
         add(value)
     writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     with pytest.raises(ModelLoadError, match="llama4.expert_count"):
         _ours(path)
