@@ -10,6 +10,7 @@ and where each prompt first diverges. Where f32 files diverge late, the cause is
 logits under different summation orders (each position's top-2 margin is printed at the divergence).
 
     .venv/bin/python bench/anchors/peers.py llamaserver   # once: builds llama.cpp (~12 minutes on 2 cores)
+    .venv/bin/pip install sentencepiece                   # once: the converter imports it for these vocabularies
     .venv/bin/python bench/gguf_parity.py                 # ~5 minutes (converts once, cached in bench/.peers)
 """
 
