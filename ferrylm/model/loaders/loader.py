@@ -14,6 +14,7 @@ from ferrylm.model.arch.gemma3 import Gemma3ForCausalLM
 from ferrylm.model.arch.layers import Linear, RotaryEmbedding
 from ferrylm.model.arch.llama import LlamaForCausalLM
 from ferrylm.model.attention.base import AttentionBackend
+from ferrylm.model.loaders.config_checks import check_model_config
 from ferrylm.model.loaders.model_source import ModelLoadError, ModelSource
 from ferrylm.model.quant import select_quant_method
 
@@ -39,15 +40,21 @@ class Checkpoint:
 
     def __init__(self, source: ModelSource):
         self.source = source
-        if source.kind == "gguf":
-            from ferrylm.model.loaders.gguf_loader import GGUFFile, load_gguf_config
+        try:
+            if source.kind == "gguf":
+                from ferrylm.model.loaders.gguf_loader import GGUFFile, load_gguf_config
 
-            self._gguf = GGUFFile(source.path)
-            self.config = load_gguf_config(self._gguf, source.name)
-        else:
-            from ferrylm.model.loaders.hf_loader import load_hf_config
+                self._gguf = GGUFFile(source.path)
+                self.config = load_gguf_config(self._gguf, source.name)
+            else:
+                from ferrylm.model.loaders.hf_loader import load_hf_config
 
-            self.config = load_hf_config(source.path, source.name)
+                self.config = load_hf_config(source.path, source.name)
+        except KeyError as e:  # a field the architecture needs is missing
+            raise ModelLoadError(f"{source.path}: the model's config has no {e.args[0]!r}") from None
+        except (TypeError, ZeroDivisionError, AttributeError) as e:  # a field of the wrong type or value
+            raise ModelLoadError(f"{source.path}: malformed model config ({type(e).__name__}: {e})") from None
+        check_model_config(self.config, str(source.path))
 
     def weights(self) -> Iterable[tuple[str, CheckpointTensor]]:
         """(name, float tensor) pairs, or for GGUF 2-D tensors still in their blocks (GGUFTensor)."""
