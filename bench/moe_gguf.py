@@ -37,7 +37,7 @@ SHAPE = dict(vocab_size=49152, hidden_size=1024, intermediate_size=2048, num_hid
              norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)
 WORK = PEERS / "moe-gguf"
 THREADS = 2
-ROUNDS = 3  # each engine's decode measured this many times per batch size, the median reported (noisy hosts)
+ROUNDS = 5  # rounds of each engine (alternating), per batch size; the median reported (noisy hosts)
 
 
 def llama_cpp_tree() -> Path | None:
@@ -150,10 +150,11 @@ def step_ops(llm, rows: int, tokens: int = 64) -> dict[str, float]:
     return groups
 
 
-def ferrylm_run(gguf: Path, batches: tuple[int, ...]) -> tuple[dict, dict, str, str, dict]:
+def ferrylm_run(gguf: Path, batches: tuple[int, ...], between=None) -> tuple[dict, dict, str, str, dict]:
     """FerryLM's decode tokens/s per batch (with other processes' CPU share), its 16-row MoE step
     profile, its activation dtype, the start of its greedy text for one prompt and each batch's step
-    split by op group."""
+    split by op group. `between()` runs after each of FerryLM's rounds (the peer's round: the engines
+    alternate, so a slow spell of this shared host falls on both)."""
     from bench.moe import ferrylm_decode, moe_profile
     from ferrylm import LLM, SamplingParams
 
@@ -163,11 +164,16 @@ def ferrylm_run(gguf: Path, batches: tuple[int, ...]) -> tuple[dict, dict, str, 
     dtype = str(getattr(runner, "dtype", "?"))
     text = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12),
                         use_tqdm=False)[0].outputs[0].text
-    figures = {}
-    for batch in batches:
-        with ForeignCpu() as cpu:
-            runs = [ferrylm_decode(llm, batch) for _ in range(ROUNDS)]
-            figures[batch] = (statistics.median(runs), cpu.share, runs)
+    runs: dict[int, list[float]] = {batch: [] for batch in batches}
+    shares: dict[int, float] = dict.fromkeys(batches, 0.0)
+    for _ in range(ROUNDS):
+        for batch in batches:
+            with ForeignCpu() as cpu:
+                runs[batch].append(ferrylm_decode(llm, batch))
+            shares[batch] = max(shares[batch], cpu.share)
+        if between is not None:
+            between()
+    figures = {batch: (statistics.median(runs[batch]), shares[batch], runs[batch]) for batch in batches}
     ops = {rows: step_ops(llm, rows) for rows in batches}
     return figures, moe_profile(llm, rows=16), dtype, text, ops
 
@@ -191,18 +197,30 @@ def main() -> None:
     print(f"CPU flags: {' '.join(wanted)}; {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB): "
           f"{total / 1e9:.3f}B parameters, {active / 1e9:.3f}B active per token", flush=True)
     batches = (1, 16)
-    ours, profile, dtype, text, ops = ({}, {}, "-", "", {}) if args.skip_ferrylm else ferrylm_run(gguf, batches)
+    peer_runs: list[dict[int, float]] = []
+    peer_share = 0.0
+
+    def peer_round() -> None:
+        nonlocal peer_share
+        with ForeignCpu(children=True) as cpu:  # llama-batched-bench is this process's child: the run itself
+            peer_runs.append(llama_cpp_decode(binary, gguf, batches, PROMPT, OUT))
+        peer_share = max(peer_share, cpu.share)
+
+    if args.skip_ferrylm:
+        ours, profile, dtype, text, ops = {}, {}, "-", "", {}
+        for _ in range(ROUNDS):
+            peer_round()
+    else:  # one FerryLM round, then one llama.cpp round, ROUNDS times
+        ours, profile, dtype, text, ops = ferrylm_run(gguf, batches, between=peer_round)
     if text:
         print(f"FerryLM ({dtype}) greedy: {text!r}", flush=True)
-    with ForeignCpu(children=True) as cpu:  # llama-batched-bench is this process's child: the run itself
-        peer_runs = [llama_cpp_decode(binary, gguf, batches, PROMPT, OUT) for _ in range(ROUNDS)]
     peer = {b: statistics.median(run[b] for run in peer_runs) for b in batches}
     print("\n| engine | 1 stream: decode tok/s | 16 streams: decode tok/s | other processes' CPU share |")
     print("|---|---|---|---|")
     if ours:
         print(f"| FerryLM (GGUF packed, {dtype}) | {ours[1][0]:.1f} | {ours[16][0]:.1f} | "
               f"{max(share for _, share, _ in ours.values()):.3f} |")
-    print(f"| llama.cpp llama-batched-bench | {peer[1]:.1f} | {peer[16]:.1f} | {cpu.share:.3f} |")
+    print(f"| llama.cpp llama-batched-bench | {peer[1]:.1f} | {peer[16]:.1f} | {peer_share:.3f} |")
     runs = {"llama.cpp": {b: [run[b] for run in peer_runs] for b in batches}}
     if ours:
         runs["FerryLM"] = {b: ours[b][2] for b in batches}
