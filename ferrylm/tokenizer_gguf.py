@@ -14,12 +14,12 @@ from pathlib import Path
 PROXY_ARCHITECTURE = "llama"
 
 
-def vocab_only_copy(source: Path, target: Path) -> Path:
-    """`source`'s general.* and tokenizer.* fields in a new GGUF at `target`, architecture `llama`."""
+def vocab_only_copy(source: Path, target: Path, architecture: str = PROXY_ARCHITECTURE) -> Path:
+    """`source`'s general.* and tokenizer.* fields in a new GGUF at `target`, naming `architecture`."""
     import gguf
 
     reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(target), PROXY_ARCHITECTURE)  # writes general.architecture itself
+    writer = gguf.GGUFWriter(str(target), architecture)  # writes general.architecture itself
     for field in reader.fields.values():
         if field.name == "general.architecture" or not field.name.startswith(("general.", "tokenizer.")):
             continue

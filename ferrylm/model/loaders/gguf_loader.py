@@ -23,6 +23,7 @@ from ferrylm.model.loaders.gguf_gemma3 import NORM_SHIFT as GEMMA3_NORM_SHIFT
 from ferrylm.model.loaders.gguf_gemma3 import gemma3_gguf_fields
 from ferrylm.model.loaders.gguf_llama4 import LAYER_NAMES as LLAMA4_LAYER_NAMES
 from ferrylm.model.loaders.gguf_llama4 import llama4_gguf_fields
+from ferrylm.model.loaders.hf_loader import FUSED_SUFFIXES, fused_rows
 from ferrylm.model.loaders.model_source import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -357,25 +358,9 @@ def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str
             w = cast(GGUFTensor, w).with_rows(unpermute_qk(w.data, config.num_heads))
         elif permute and name.endswith("k_proj.weight"):
             w = cast(GGUFTensor, w).with_rows(unpermute_qk(w.data, config.num_kv_heads))
-        if phi3 and name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
-            yield from _split_fused(gguf, t, name, cast(GGUFTensor, w), config)
+        if phi3 and name.endswith(FUSED_SUFFIXES):  # Phi-3's fused rows: row slices of the blocks
+            fused = cast(GGUFTensor, w)
+            for part, start, end in fused_rows(name, fused.shape[0], config, f"{gguf.path}: tensor {t.name!r}"):
+                yield part, GGUFTensor(fused.ggml_type, fused.data[start:end], (end - start, fused.shape[1]))
             continue
         yield name, w
-
-
-def _split_fused(gguf: GGUFFile, t: TensorInfo, name: str, w: GGUFTensor,
-                 config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
-    """Phi-3's fused qkv / gate_up rows as the separate projections (row slices of the blocks)."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    if name.endswith(".qkv_proj.weight"):
-        base, parts = name.removesuffix("qkv_proj.weight"), [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
-    else:
-        ff = config.intermediate_size
-        base, parts = name.removesuffix("gate_up_proj.weight"), [("gate_proj", ff), ("up_proj", ff)]
-    if w.shape[0] != sum(n for _, n in parts):
-        raise ModelLoadError(f"{gguf.path}: tensor {t.name!r} has {w.shape[0]} rows, not the "
-                             f"{' + '.join(str(n) for _, n in parts)} its fused projections need")
-    start = 0
-    for proj, rows in parts:
-        yield f"{base}{proj}.weight", GGUFTensor(w.ggml_type, w.data[start:start + rows], (rows, w.shape[1]))
-        start += rows

@@ -216,23 +216,41 @@ def canonical_weights(weights: Iterator[tuple[str, Any]], config: ModelConfig) -
     """Checkpoint tensors under the one naming loading, quantization and tensor-parallel sharding
     know: a fused `qkv_proj` / `gate_up_proj` (Phi-3) split into q/k/v and gate/up, Mixtral's
     `block_sparse_moe.{gate, experts.E.w1/w2/w3}` as `mlp.{gate, experts.E.gate/down/up_proj}`."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     llama4 = config.architecture == "llama4"
     for name, tensor in weights:
         if llama4:
             yield from _llama4_weights(canonical_name(name), tensor, config)
             continue
-        if not isinstance(tensor, torch.Tensor) and name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
+        if not isinstance(tensor, torch.Tensor) and name.endswith(FUSED_SUFFIXES):
             raise ModelLoadError(f"{name}: a quantized fused projection is not supported")
         name = canonical_name(name)
-        if name.endswith(".qkv_proj.weight"):
-            base = name.removesuffix("qkv_proj.weight")
-            yield from zip((base + p + "_proj.weight" for p in "qkv"), tensor.split([q, kv, kv]))
-        elif name.endswith(".gate_up_proj.weight"):
-            base = name.removesuffix("gate_up_proj.weight")
-            yield from zip((base + "gate_proj.weight", base + "up_proj.weight"), tensor.chunk(2))
-        else:
+        parts = fused_rows(name, tensor.shape[0], config, name) if name.endswith(FUSED_SUFFIXES) else None
+        if parts is None:
             yield name, tensor
+        else:
+            yield from ((part, tensor[start:end]) for part, start, end in parts)
+
+
+FUSED_SUFFIXES = (".qkv_proj.weight", ".gate_up_proj.weight")
+
+
+def fused_rows(name: str, rows: int, config: ModelConfig, where: str) -> list[tuple[str, int, int]]:
+    """A fused Phi-3 projection (`qkv_proj`: q, k, v rows; `gate_up_proj`: gate, up rows, as
+    transformers' Phi3MLP and llama.cpp's converter lay them out) as (projection name, first row, end
+    row) each; a ModelLoadError when its `rows` are not what the parts add up to."""
+    q, kv, ff = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    if name.endswith(".qkv_proj.weight"):
+        base, sizes = name.removesuffix("qkv_proj.weight"), [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+    else:
+        base, sizes = name.removesuffix("gate_up_proj.weight"), [("gate_proj", ff), ("up_proj", ff)]
+    if rows != sum(n for _, n in sizes):
+        raise ModelLoadError(f"{where}: {name} has {rows} rows, not the {' + '.join(str(n) for _, n in sizes)} its "
+                             "fused projections need")
+    parts, start = [], 0
+    for proj, n in sizes:
+        parts.append((f"{base}{proj}.weight", start, start + n))
+        start += n
+    return parts
 
 
 def _llama4_weights(name: str, tensor: Any, config: ModelConfig) -> Iterator[tuple[str, Any]]:
