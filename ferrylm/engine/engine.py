@@ -279,7 +279,7 @@ class Engine:
         started = time.perf_counter()
         result = self.executor.execute(sched)
         self._step_in_flight = False
-        self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
+        self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - started, self._scored(sched))
         self.block_manager.settle_disk(result.kv_disk_lost)
         updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)
         self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
@@ -287,6 +287,15 @@ class Engine:
                                                       prompt_logprobs=result.prompt_logprobs,
                                                       pooled=result.pooled,
                                                       accepted_logprobs=result.accepted_logprobs)
+
+    def _scored(self, sched: SchedulerOutput) -> int:
+        """This step's prompt tokens that also go through the LM head for prompt_logprobs."""
+        scored = 0
+        for s in sched.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            if request is not None and request.sampling_params.prompt_logprobs is not None:
+                scored += max(0, min(len(s.token_ids), request.num_prompt_tokens - s.num_computed_tokens))
+        return scored
 
     def _count_batch(self, sched: SchedulerOutput) -> None:
         """Prefill vs decode tokens of this step (a decode row: one token past the prompt, plus its draft)."""

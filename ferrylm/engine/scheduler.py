@@ -100,13 +100,16 @@ class Scheduler:
         self.tier_hit_tokens = 0  # the share of prefix_cache_hits loaded back from the host tier
         self.spec = SpecCounters()
         self.step_cost = StepCostModel()
-        # this step's prompt tokens left per cache root (tenant), under --decode-isolation-headroom
-        self._allowance: dict[int, int] = {}
+        # this step's seconds left per cache root (tenant) for its prompt tokens, under
+        # --decode-isolation-headroom; a root's first chunk of a step takes at least one token
+        self._allowance: dict[int, float] = {}
+        self._progressed: set[int] = set()
         self._isolated_roots: set[int] = set()  # roots whose prompts are capped this step
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """The engine's measure of a step it ran (its scheduled tokens, the execute's seconds)."""
-        self.step_cost.observe(tokens, seconds)
+    def observe_step(self, tokens: int, seconds: float, scored: int = 0) -> None:
+        """The engine's measure of a step it ran (its scheduled tokens, `scored` of them prompt tokens
+        scored for prompt_logprobs; the execute's seconds)."""
+        self.step_cost.observe(tokens, seconds, scored)
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -184,21 +187,29 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill else 0
         n = min(remaining, budget, cap) if cap else min(remaining, budget)
         if req is not None and remaining > 1 and req.tenant_root in self._isolated_roots:
-            n = min(n, self._allowance[req.tenant_root])
-            self._allowance[req.tenant_root] -= max(n, 0)
+            root = req.tenant_root
+            cost = self.step_cost.token_seconds(req.sampling_params.prompt_logprobs is not None)
+            fits = 0 if cost is None else int(self._allowance[root] / cost) if cost > 0 else n
+            if root not in self._progressed:
+                fits = max(fits, 1)
+            n = min(n, fits)
+            if n > 0:
+                self._progressed.add(root)
+                self._allowance[root] -= n * (cost or 0.0)
         return n
 
     def _isolate_decodes(self) -> None:
         """This step's prompt-token allowance per tenant: a tenant whose prompts would share the step
         with another tenant's decode rows gets what the headroom leaves (step_cost.py)."""
-        self._isolated_roots = set()
+        self._isolated_roots, self._progressed = set(), set()
         headroom = self.config.decode_isolation_headroom
         if not headroom or not self.config.enable_chunked_prefill:
             return
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return
-        allowance = self.step_cost.prefill_allowance(headroom, len(decoding))
+        step = self.step_cost.step_seconds(len(decoding))
+        allowance = 0.0 if step is None else headroom * step
         roots = {r.tenant_root for r in decoding}
         prompting = {r.tenant_root for r in self.running + self.waiting}
         self._isolated_roots = {root for root in prompting if roots - {root}}

@@ -32,6 +32,7 @@ VICTIM_PROMPTS = ["Describe a harbour at dawn.", "Name three rivers of Europe.",
                   "Write a haiku about tides."]
 VICTIM_TOKENS = 32
 ABANDON_S = 2.0
+SETTLE_S = 5.0  # a compile worker killed by the attack is replaced in ~4-5 s (grammar_worker.py)
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -113,21 +114,28 @@ def _p99(values: list[float]) -> float:
 
 async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int = 1,
                          attacks: tuple[str, ...] = ATTACKS) -> Ledger:
-    """A warm-up victim round, `scale` victim rounds quiet, then `scale` rounds beside the attacker
-    (running the `attacks` of ATTACKS, all by default: fewer for an ablation)."""
+    """A warm-up victim round, then `scale` pairs of victim rounds, one quiet and one beside the
+    attacker (running the `attacks` of ATTACKS, all by default: fewer for an ablation). Quiet and
+    attacked rounds alternate, so the host's drift over minutes falls on both ITL samples alike; the
+    attacker's requests of a pair have ended, and the server settled, before the next quiet round."""
     ledger = Ledger("hostile tenant" if attacks == ATTACKS else f"hostile tenant ({'+'.join(attacks)})")
-    rounds = max(1, scale)
     quiet_itl: list[float] = []
     attacked_itl: list[float] = []
+    attacker_results: list[Result] = []
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
         baseline = [await _victim_round(http, keys["victim"], [])]  # warm-up: ITL not counted
-        baseline += [await _victim_round(http, keys["victim"], quiet_itl) for _ in range(rounds)]
-        stop = asyncio.Event()
-        attacker = asyncio.create_task(_attacker(server, keys["attacker"], stop, attacks))
-        await asyncio.sleep(0.5)  # the attack is under way before the victim's first request
-        attacked = [await _victim_round(http, keys["victim"], attacked_itl) for _ in range(rounds)]
-        stop.set()
-        attacker_results = await attacker
+        attacked = []
+        for i in range(max(1, scale)):
+            if i:  # the last pair's attack has ended: its requests, and a killed compile worker's restart
+                await leaked_blocks(server)
+                await asyncio.sleep(SETTLE_S)
+            baseline.append(await _victim_round(http, keys["victim"], quiet_itl))
+            stop = asyncio.Event()
+            attacker = asyncio.create_task(_attacker(server, keys["attacker"], stop, attacks))
+            await asyncio.sleep(0.5)  # the attack is under way before the victim's first request
+            attacked.append(await _victim_round(http, keys["victim"], attacked_itl))
+            stop.set()
+            attacker_results += await attacker
     expected = [r.text for r in baseline[0]]
     for results in baseline + attacked:
         for r, text in zip(results, expected):

@@ -320,3 +320,40 @@ def test_step_cost_line_is_learned_from_steps():
         model.observe(tokens, 0.010 + 0.001 * tokens)
     fixed, per_token = model.line()
     assert 0.005 < fixed < 0.015 and 0.0008 < per_token < 0.0012
+
+
+def test_step_cost_learns_what_a_scored_prompt_token_costs():
+    """A prompt token scored for prompt_logprobs also runs the LM head: its cost is learned from steps
+    that had some (beyond the plain line), and taken at twice a plain token's before any was seen."""
+    from ferrylm.engine.step_cost import SCORED_PRIOR, StepCostModel
+
+    model = StepCostModel()
+    for tokens in (4, 8, 16, 4, 8, 16):
+        model.observe(tokens, 0.010 + 0.002 * tokens)
+    assert abs(model.token_seconds() - 0.002) < 1e-6
+    assert abs(model.token_seconds(scored=True) - SCORED_PRIOR * 0.002) < 1e-6
+    for _ in range(3):  # 4 decode rows + 2 scored prompt tokens at 6 ms each
+        model.observe(6, 0.010 + 0.002 * 4 + 0.006 * 2, scored=2)
+    assert abs(model.token_seconds(scored=True) - 0.006) < 1e-6
+    assert abs(model.step_seconds(4) - 0.018) < 1e-6  # the decode-only line is unchanged by them
+    assert model.prefill_allowance(0.5, 4) == 4 and model.prefill_allowance(0.5, 4, scored=True) == 1
+
+
+def test_decode_isolation_charges_a_scoring_prompt_its_own_cost():
+    """Beside tenant A's 4 decode rows (17 ms), half the step (8.5 ms) buys tenant B 4 plain prompt
+    tokens (2 ms each) but only 2 scored ones (4 ms each: twice a plain one, before scored steps were
+    seen) and 1 once scored steps showed them at 7 ms."""
+    def b_chunk(prompt_logprobs, scored_steps=()):
+        s = _isolating(0.5)
+        for tokens, scored, seconds in scored_steps:
+            s.observe_step(tokens, seconds, scored)
+        for i in range(4):
+            s.add_request(_salted(f"a{i}", "tenant-a", 4, first=100 * i + 1))
+        step(s)
+        params = SamplingParams(temperature=0, max_tokens=1, cache_salt="tenant-b", prompt_logprobs=prompt_logprobs)
+        s.add_request(Request("b", list(range(900, 960)), params, 1, 1.0, 0, ()))
+        return {i.request_id: len(i.token_ids) for i in step(s).scheduled}["b"]
+
+    assert b_chunk(None) == 4
+    assert b_chunk(1) == 2
+    assert b_chunk(1, [(6, 2, 0.017 + 0.014)] * 3) == 1
