@@ -108,6 +108,10 @@ async def _attacker(server: ServerProcess, key: str, stop: asyncio.Event, kinds:
     return results
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
 def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) > 1 else (values or [0.0])[0]
 
@@ -149,7 +153,8 @@ async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int
         ledger.record(r.outcome, f"attacker: {r.detail}", r.latency_ms)
     ratio = _p99(attacked_itl) / max(_p99(quiet_itl), 1e-9)
     ledger.notes.append(f"victim ITL p99 {_p99(quiet_itl) * 1000:.1f} ms quiet, {_p99(attacked_itl) * 1000:.1f} ms "
-                        f"attacked ({ratio:.2f}x); {len(attacker_results)} attacker requests")
+                        f"attacked ({ratio:.2f}x); median {_median(quiet_itl) * 1000:.1f} → "
+                        f"{_median(attacked_itl) * 1000:.1f} ms; {len(attacker_results)} attacker requests")
     answers = Counter(r.detail if r.outcome == "error" else r.outcome for r in attacker_results)
     ledger.notes.append(f"attacker answers: {dict(sorted(answers.items()))}")
     ledger.leaked_blocks = await leaked_blocks(server)
