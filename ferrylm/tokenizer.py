@@ -30,6 +30,7 @@ class Tokenizer:
             ids.add(hf_tokenizer.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(ids))
         self._max_token_chars: int | None = None
+        self._token_texts: dict[int, str] = {}  # token_text's cache: at most one entry per vocabulary id
 
     @property
     def max_token_chars(self) -> int:
@@ -108,6 +109,16 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text decoded alone, special tokens kept: what logprobs show per token. Cached:
+        an echoed prompt's logprobs with n choices decode thousands of ids, most of them repeats, and
+        transformers' decode costs tens of microseconds a call (~140 ms of the event loop for one
+        n=8 scoring response, bench/RESULTS.md)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
+        return text
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The vocabulary's string of each id (byte-level pieces as stored, e.g. 'Ġthe')."""

@@ -175,7 +175,7 @@ class OutputProcessor:
         return outputs
 
     def _token_text(self, token_id: int) -> str:
-        return self._tokenizer.hf.decode([token_id], skip_special_tokens=False)
+        return self._tokenizer.token_text(token_id)
 
     def _detokenize(self, state: _RequestState, token: int, last: bool = True) -> str:
         """The text `token` adds; a stop string it completes finishes the request (via the scheduler).

@@ -10,7 +10,7 @@ from ferrylm.tokenizer import Tokenizer
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.token_text(token_id)
 
 
 # vLLM's floor: JSON has no -inf or NaN (the encoder raises, or pydantic writes null), so a

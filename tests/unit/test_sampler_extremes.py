@@ -108,6 +108,9 @@ class _Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f"<{i}>" for i in ids)
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
 
 BAD_ENTRIES = [{7: float("-inf"), 1: -0.5, 2: float("nan"), 3: float("-inf")},
                {8: float("nan"), 1: float("-inf"), 4: -1e30},
