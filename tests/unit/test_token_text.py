@@ -11,7 +11,8 @@ class _CountingHF:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         self.calls.append((ids, skip_special_tokens))
-        return "".join("<s>" if i == 0 and not skip_special_tokens else f"t{i}" for i in ids if i or not skip_special_tokens)
+        kept = [i for i in ids if i or not skip_special_tokens]  # id 0 is the special one
+        return "".join("<s>" if i == 0 else f"t{i}" for i in kept)
 
 
 def test_token_text_keeps_special_tokens_and_decodes_each_id_once():
