@@ -357,3 +357,17 @@ def test_decode_isolation_charges_a_scoring_prompt_its_own_cost():
     assert b_chunk(None) == 4
     assert b_chunk(1) == 2
     assert b_chunk(1, [(6, 2, 0.017 + 0.014)] * 3) == 1
+
+
+def test_decode_isolation_caps_last_prompt_tokens_too():
+    """A request whose prompt has one token left is still prefilling (n samples of one cached prompt
+    each compute their last prompt token): beside tenant A's decodes, tenant B's 8 such requests
+    enter under the headroom (1 token a step here), not as 8 extra rows at once."""
+    s = _isolating(0.2)
+    for i in range(4):
+        s.add_request(_salted(f"a{i}", "tenant-a", 4, max_tokens=20, first=100 * i + 1))
+    step(s)
+    for j in range(8):
+        s.add_request(_salted(f"b{j}", "tenant-b", 1, max_tokens=1, t=1.0 + j, first=900 + j))
+    b_rows = [sum(1 for i in step(s).scheduled if i.request_id.startswith("b")) for _ in range(3)]
+    assert b_rows == [1, 1, 1]
