@@ -55,7 +55,7 @@ class SamplingRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM extras
-    top_k: int | None = None  # None, 0 or -1: off
+    top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off (vLLM refuses below -1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0)

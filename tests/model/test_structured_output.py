@@ -210,3 +210,25 @@ def test_a_compile_worker_runs_below_the_serving_threads() -> None:
         assert worker.compile("regex", "[a-z]{3}", True, 30.0, lambda: False)
     finally:
         worker.kill()
+
+
+@requires_smollm2
+def test_a_grammar_that_accepts_no_output_is_refused() -> None:
+    """`root ::= root` compiles in xgrammar but allows no first token and no empty output: every mask
+    would be empty and the model's tokens would all break it. It is a 400 naming the field; a
+    grammar that only accepts the empty output, or some text, compiles."""
+    from ferrylm.model.loaders.model_source import resolve_model
+    from ferrylm.model.structured.structured_output import GrammarCompiler
+    from ferrylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model("smollm2-135m"))
+    compiler = GrammarCompiler(tok.hf, len(tok.hf), tuple(tok.eos_token_ids))
+    try:
+        for grammar in ("root ::= root", "root ::= x\nx ::= x"):
+            with pytest.raises(StructuredOutputError, match="accepts no output") as e:
+                compiler.submit(Spec(grammar=grammar, param="structured_outputs")).result(120)
+            assert e.value.param == "structured_outputs"
+        assert compiler.submit(Spec(grammar='root ::= "a" | "b" root')).result(120) is not None
+        assert compiler.submit(Spec(regex="a*")).result(120) is not None  # the empty output is allowed
+    finally:
+        compiler.shutdown()

@@ -177,7 +177,11 @@ class GrammarCompiler:
 
             info = self._tokenizer_info(xgrammar)
             text = self._on_worker(kind, payload, not spec.disable_any_whitespace, job)
-            return xgrammar.CompiledGrammar.deserialize_json(text, info)
+            compiled = xgrammar.CompiledGrammar.deserialize_json(text, info)
+            if _accepts_nothing(xgrammar, compiled, self._vocab_size):
+                raise ValueError("the constraint accepts no output at all (no token may start it and it cannot be "
+                                 "empty: its rules never reach a terminal)")
+            return compiled
         except CompileTimeout:
             raise StructuredOutputError(f"Invalid '{param}': compiling it took longer than the "
                                         f"{self.limits.compile_timeout_s:g} s budget; simplify the constraint",
@@ -275,6 +279,15 @@ class GrammarCompiler:
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.kill()
+
+
+def _accepts_nothing(xgrammar: Any, compiled: Any, vocab_size: int) -> bool:
+    """No token is allowed first and the empty output is not accepted either (`root ::= root`): every
+    step's mask would be empty and the model's tokens would all break the constraint."""
+    matcher = xgrammar.GrammarMatcher(compiled)
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return not bool(bitmask.any()) and not matcher.is_terminated()
 
 
 def new_matcher(compiled: Any) -> Any:
