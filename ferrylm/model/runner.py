@@ -503,7 +503,10 @@ class ModelRunner:
         states = [self.states[rid] for rid in request_ids]
         guided = [i for i, state in enumerate(states) if state.grammar is not None]
         if guided:  # structured output: only the tokens each row's grammar allows next
-            apply_grammar_masks(logits, guided, [states[i].grammar for i in guided])
+            for row in apply_grammar_masks(logits, guided, [states[i].grammar for i in guided]):
+                # a dead end: nothing may follow, so the request ends here (EOS: finish_reason "stop")
+                # instead of sampling from all -inf and breaking its constraint until max_tokens
+                logits[row, self.eos_token_ids] = 0.0
         sampling = SamplingBatch.build(states, self.config.vocab_size, self.eos_token_ids, self.device)
         result = self.sampler(logits, sampling)
         tokens = result.token_ids.tolist()

@@ -297,14 +297,18 @@ def new_matcher(compiled: Any) -> Any:
     return xgrammar.GrammarMatcher(compiled)
 
 
-def apply_grammar_masks(logits: Any, rows: list[int], matchers: list[Any]) -> None:
-    """Set to -inf, in place, every logit the matcher of row rows[j] forbids (other rows untouched)."""
+def apply_grammar_masks(logits: Any, rows: list[int], matchers: list[Any]) -> list[int]:
+    """Set to -inf, in place, every logit the matcher of row rows[j] forbids (other rows untouched).
+    Returns the rows whose grammar allows no token at all, not even a stop token: a dead end (its
+    rules can never finish from here, e.g. `root ::= "a" x; x ::= x` after "a")."""
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[1])
     for row, matcher in zip(rows, matchers):
         matcher.fill_next_token_bitmask(bitmask, row)
+    dead = (bitmask[rows] == 0).all(dim=1).tolist()
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    return [row for row, is_dead in zip(rows, dead) if is_dead]
 
 
 def mask_draft_rows(logits: Any, first_row: int, matcher: Any, draft: list[int]) -> int:
