@@ -32,6 +32,7 @@ VICTIM_PROMPTS = ["Describe a harbour at dawn.", "Name three rivers of Europe.",
                   "Write a haiku about tides."]
 VICTIM_TOKENS = 32
 ABANDON_S = 2.0
+BLOCK = 3  # victim rounds in a row, quiet or attacked (an attacker round takes ~2 s: a bomb is abandoned)
 SETTLE_S = 5.0  # a compile worker killed by the attack is replaced in ~4-5 s (grammar_worker.py)
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -118,26 +119,29 @@ def _p99(values: list[float]) -> float:
 
 async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int = 1,
                          attacks: tuple[str, ...] = ATTACKS) -> Ledger:
-    """A warm-up victim round, then `scale` pairs of victim rounds, one quiet and one beside the
-    attacker (running the `attacks` of ATTACKS, all by default: fewer for an ablation). Quiet and
-    attacked rounds alternate, so the host's drift over minutes falls on both ITL samples alike; the
-    attacker's requests of a pair have ended, and the server settled, before the next quiet round."""
+    """A warm-up victim round, then blocks of BLOCK victim rounds (`scale` rounds of each kind in all),
+    quiet and attacked blocks alternating (the attacker runs the `attacks` of ATTACKS, all by default:
+    fewer for an ablation). The attacker runs through a whole attacked block, so its requests meet the
+    victim's rounds at every phase; alternating blocks lets the host's drift over minutes fall on both
+    ITL samples alike. Before each quiet block the attacker's requests have ended and the server
+    settled."""
     ledger = Ledger("hostile tenant" if attacks == ATTACKS else f"hostile tenant ({'+'.join(attacks)})")
     quiet_itl: list[float] = []
     attacked_itl: list[float] = []
     attacker_results: list[Result] = []
+    block = min(BLOCK, max(1, scale))
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
         baseline = [await _victim_round(http, keys["victim"], [])]  # warm-up: ITL not counted
         attacked = []
-        for i in range(max(1, scale)):
-            if i:  # the last pair's attack has ended: its requests, and a killed compile worker's restart
+        for i in range(max(1, scale // block)):
+            if i:  # the last block's attack has ended: its requests, and a killed compile worker's restart
                 await leaked_blocks(server)
                 await asyncio.sleep(SETTLE_S)
-            baseline.append(await _victim_round(http, keys["victim"], quiet_itl))
+            baseline += [await _victim_round(http, keys["victim"], quiet_itl) for _ in range(block)]
             stop = asyncio.Event()
             attacker = asyncio.create_task(_attacker(server, keys["attacker"], stop, attacks))
             await asyncio.sleep(0.5)  # the attack is under way before the victim's first request
-            attacked.append(await _victim_round(http, keys["victim"], attacked_itl))
+            attacked += [await _victim_round(http, keys["victim"], attacked_itl) for _ in range(block)]
             stop.set()
             attacker_results += await attacker
     expected = [r.text for r in baseline[0]]
