@@ -113,8 +113,8 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text decoded alone, special tokens kept: what logprobs show per token. Cached:
         an echoed prompt's logprobs with n choices decode thousands of ids, most of them repeats, and
-        transformers' decode costs tens of microseconds a call (~140 ms of the event loop for one
-        n=8 scoring response, bench/RESULTS.md)."""
+        transformers' decode costs microseconds a call (an n=8 echo+logprobs response of a 193-token
+        prompt: 11.2 ms to build uncached, 4.3 ms cached)."""
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self.hf.decode([token_id], skip_special_tokens=False)

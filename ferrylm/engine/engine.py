@@ -275,11 +275,11 @@ class Engine:
             if pending:  # idle until a grammar is ready instead of spinning
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
             return failed
-        self._count_batch(sched)
+        scored = self._count_batch(sched)
         started = time.perf_counter()
         result = self.executor.execute(sched)
         self._step_in_flight = False
-        self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - started, self._scored(sched))
+        self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - started, scored)
         self.block_manager.settle_disk(result.kv_disk_lost)
         updated = self.scheduler.update(sched, result.sampled, result.accepted, result.draft_token_ids)
         self.generation_tokens_total += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)  # 0: no token
@@ -288,17 +288,10 @@ class Engine:
                                                       pooled=result.pooled,
                                                       accepted_logprobs=result.accepted_logprobs)
 
-    def _scored(self, sched: SchedulerOutput) -> int:
-        """This step's prompt tokens that also go through the LM head for prompt_logprobs."""
+    def _count_batch(self, sched: SchedulerOutput) -> int:
+        """Prefill vs decode tokens of this step (a decode row: one token past the prompt, plus its draft).
+        Returns the step's prompt tokens that also go through the LM head for prompt_logprobs."""
         scored = 0
-        for s in sched.scheduled:
-            request = self.scheduler.requests.get(s.request_id)
-            if request is not None and request.sampling_params.prompt_logprobs is not None:
-                scored += max(0, min(len(s.token_ids), request.num_prompt_tokens - s.num_computed_tokens))
-        return scored
-
-    def _count_batch(self, sched: SchedulerOutput) -> None:
-        """Prefill vs decode tokens of this step (a decode row: one token past the prompt, plus its draft)."""
         for s in sched.scheduled:
             request = self.scheduler.requests.get(s.request_id)
             decode = (len(s.token_ids) == 1 + len(s.draft_token_ids) and request is not None
@@ -307,7 +300,10 @@ class Engine:
                 self.decode_tokens_total += len(s.token_ids)
             else:
                 self.prefill_tokens_total += len(s.token_ids)
+            if request is not None and request.sampling_params.prompt_logprobs is not None:
+                scored += max(0, min(len(s.token_ids), request.num_prompt_tokens - s.num_computed_tokens))
         self.num_steps_total += 1
+        return scored
 
     def stats(self) -> LoadReport:
         s, waiting, running = self.scheduler.stats(), self.scheduler.waiting, self.scheduler.running

@@ -188,11 +188,11 @@ class Scheduler:
         n = min(remaining, budget, cap) if cap else min(remaining, budget)
         # a prompt token even when it is the last one (a decode row is past the prompt): n samples of
         # one prompt, each computing its last prompt token, are n prompt tokens, not n decode rows
-        prompt = req is not None and (remaining > 1 or req.num_computed_tokens < req.num_prompt_tokens)
-        if req is not None and prompt and req.tenant_root in self._isolated_roots:
+        if req is not None and (remaining > 1 or req.num_computed_tokens < req.num_prompt_tokens) \
+                and req.tenant_root in self._isolated_roots:
             root = req.tenant_root
-            cost = self.step_cost.token_seconds(req.sampling_params.prompt_logprobs is not None)
-            fits = 0 if cost is None else int(self._allowance[root] / cost) if cost > 0 else n
+            cost = self.step_cost.token_seconds(req.sampling_params.prompt_logprobs is not None)  # > 0 once fitted
+            fits = int(self._allowance[root] / cost) if cost else 0
             if root not in self._progressed:
                 fits = max(fits, 1)
             n = min(n, fits)

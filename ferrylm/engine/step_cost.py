@@ -82,8 +82,8 @@ def _line(steps: list[tuple[int, float]]) -> tuple[float, float]:
     mean_t = sum(t for t, _ in steps) / n
     mean_s = sum(s for _, s in steps) / n
     var = sum((t - mean_t) ** 2 for t, _ in steps)
-    if var < 1e-9 or mean_t <= 0:
-        return 0.0, mean_s / max(mean_t, 1e-9)
+    if var < 1e-9:  # observe() keeps only steps of at least one token: mean_t > 0
+        return 0.0, mean_s / mean_t
     slope = sum((t - mean_t) * (s - mean_s) for t, s in steps) / var
     if slope <= 0:
         return 0.0, mean_s / mean_t
