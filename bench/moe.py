@@ -100,7 +100,7 @@ def moe_profile(llm: LLM, rows: int = 16) -> dict[str, float]:
             phases[key] *= 0
         for block in blocks:
             t0 = time.perf_counter()
-            probs = torch.softmax(block.gate(x).float(), dim=-1)
+            probs = torch.softmax(block.router_logits(x).float(), dim=-1)
             weights, chosen = probs.topk(block.top_k, dim=-1)
             weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
             t1 = time.perf_counter()
@@ -135,7 +135,7 @@ def _fused_profile(blocks: list, x: torch.Tensor) -> dict[str, float]:
             phases[key] *= 0
         for block in blocks:
             t0 = time.perf_counter()
-            logits = block.gate(x)
+            logits = block.router_logits(x)
             t1 = time.perf_counter()
             block.stacked(x, logits, block.top_k, block.routing)
             t2 = time.perf_counter()

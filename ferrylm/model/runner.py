@@ -35,7 +35,14 @@ from ferrylm.model.loaders.loader import Checkpoint, load_model
 from ferrylm.model.lora.manager import LoRAManager
 from ferrylm.model.parallel.tp import ShardedCheckpoint, TPContext, TPGroup
 from ferrylm.model.pooling import pool, pooling_rows
-from ferrylm.model.sampler import Sampler, SamplingBatch, SamplingRequestState, token_logprobs
+from ferrylm.model.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    SamplingRequestState,
+    plain_greedy,
+    token_logprobs,
+)
 from ferrylm.model.spec import draft_setup
 from ferrylm.model.spec.spec_step import Speculator, build_batch, split_rows
 from ferrylm.model.structured.reasoning_gate import ReasoningGate
@@ -507,8 +514,11 @@ class ModelRunner:
                 # a dead end: nothing may follow, so the request ends here (EOS: finish_reason "stop")
                 # instead of sampling from all -inf and breaking its constraint until max_tokens
                 logits[row, self.eos_token_ids] = 0.0
-        sampling = SamplingBatch.build(states, self.config.vocab_size, self.eos_token_ids, self.device)
-        result = self.sampler(logits, sampling)
+        if plain_greedy(states):
+            result = SamplerOutput(logits.argmax(dim=-1), None, None, None)
+        else:
+            result = self.sampler(logits, SamplingBatch.build(states, self.config.vocab_size, self.eos_token_ids,
+                                                              self.device))
         tokens = result.token_ids.tolist()
         sampled, logprobs = {}, {}
         for rid, state, token in zip(request_ids, states, tokens):

@@ -262,6 +262,18 @@ def _penalty_tensors(
     return counts, _scatter_tokens(prompts, vocab_size, device, torch.bool)
 
 
+def plain_greedy(states: list[SamplingRequestState]) -> bool:
+    """Whether the argmax of the raw logits is every row's whole answer (greedy, no logit_bias, no
+    penalty, no min_tokens ban left, no logprobs): SamplingBatch.build would find plain_greedy and no
+    logprobs, so the runner skips building it (~0.1 ms of Python a step)."""
+    for state in states:
+        p = state.params
+        if not p.greedy or p.logit_bias or p.logprobs is not None or _has_penalty(p) or \
+                len(state.output_token_ids) < p.min_tokens:
+            return False
+    return True
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 

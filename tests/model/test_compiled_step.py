@@ -113,6 +113,25 @@ def test_compiled_tokens_equal_eager(runners, monkeypatch):
     assert set(calls) == {1, 2, 3, 4}
 
 
+def test_repeated_sizes_call_the_graph_on_its_flat_inputs(runners, monkeypatch):
+    """After a batch size's first step, its graph is called on the flat inputs gathered then (flat_call):
+    dynamo's bytecode, which gathers them again from the modules, is not run, and every later step still
+    reads its own refilled inputs (the tokens equal eager mode's)."""
+    compiled, eager = runners
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (7, 3, 12)]
+    _greedy(compiled, prompts, [5, 5, 5], "warm")  # sizes 3 (graph 2..4) captured
+    _greedy(compiled, prompts[:1], [3], "warm1")  # size 1 captured
+
+    def no_bytecode(*args, **kwargs):
+        raise AssertionError("dynamo's bytecode ran for a batch size already captured")
+
+    for size_range in compiled.compiled.ranges:
+        monkeypatch.setattr(size_range.step, "fn", no_bytecode)
+    for i, (group, max_tokens) in enumerate([(prompts, [6, 6, 6]), (prompts[1:2], [8])]):
+        assert _greedy(compiled, group, max_tokens, f"flat{i}") == _greedy(eager, group, max_tokens, f"eflat{i}")
+
+
 def _mixed(runner: ModelRunner, tag: str) -> tuple[list[int], list[int], list]:
     """Request A (7-token prompt) decodes while request B's 10-token prompt is prefilled 3 tokens a
     step beside it (4 rows: a compiled step's size), B scoring its prompt (prompt_logprobs=2); then

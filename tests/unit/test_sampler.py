@@ -13,6 +13,7 @@ from ferrylm.model.sampler import (
     SamplingBatch,
     SamplingRequestState,
     apply_penalties_and_bias,
+    plain_greedy,
 )
 from ferrylm.sampling_params import SamplingParams
 from tests.conftest import examples
@@ -499,3 +500,22 @@ def test_property_sampled_token_is_allowed(data: st.DataObject, rows: int, vocab
         assert torch.isfinite(out.logprobs).all()
         k = max(s.params.logprobs for s in states if s.params.logprobs is not None)
         assert out.top_logprobs.shape == (rows, min(k, vocab))
+
+
+# ---------------------------------------------------------------- the runner's argmax-only fast path
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"temperature": 0.7}, {"logit_bias": {3: 5.0}}, {"logprobs": 2}, {"repetition_penalty": 1.2},
+    {"frequency_penalty": 0.5}, {"presence_penalty": -0.5}, {"min_tokens": 4}, {"min_tokens": 1},
+])
+def test_plain_greedy_is_exactly_when_the_built_batch_is_plain_greedy_without_logprobs(change) -> None:
+    """The runner skips SamplingBatch.build when plain_greedy(states): that must hold only where the built
+    batch would take the raw argmax and return no logprobs, for every field that changes a greedy row."""
+    params = {"temperature": 0.0, "stop_token_ids": [5], **change}
+    states = [state(output=[1], temperature=0.0), state(output=[2], **params)]
+    batch = build(states, 16, eos=[4])
+    assert plain_greedy(states) == (batch.plain_greedy and batch.max_num_logprobs is None)
+    if plain_greedy(states):
+        logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(dim=-1))

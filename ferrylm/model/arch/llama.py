@@ -157,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
                 module.quant.process_weights_after_loading(module)
         for block in self.moe_blocks():
             block.stack_experts()
+            block.prepare_router()
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]

@@ -86,6 +86,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, quant) \
             if config.shared_expert_intermediate_size else None
         self.gate = Linear(config.hidden_size, config.num_experts, quant=UnquantizedMethod())  # the router
+        self.register_buffer("router_f32", None, persistent=False)  # prepare_router()
         # expert parallelism: the experts of other ranks are placeholders this rank never runs
         self.local = set(range(config.num_experts) if config.local_experts is None else config.local_experts)
         self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.moe_intermediate_size, quant)
@@ -111,6 +112,19 @@ class SparseMoeBlock(nn.Module):
             slots[e] = s
         self.stacked = StackedExperts(cast("list[PackedWeight]", gate_up), cast("list[PackedWeight]", down), slots)
 
+    def prepare_router(self) -> None:
+        """After loading: a float32 copy of a 16-bit router's weight on the CPU. Its tiny product ([T, H] x
+        [H, E]) in float32 took ~6 us a call at one row, oneDNN's bf16 matmul ~21 us (its per-call set-up),
+        once per MoE layer per step; the logits are rounded to x's dtype as the bf16 matmul rounds them."""
+        weight = self.gate.weight
+        if weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu" and self.gate.bias is None:
+            self.router_f32 = weight.detach().float()
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.router_f32 is not None and self.gate.lora is None:
+            return nn.functional.linear(x.float(), self.router_f32).to(x.dtype)
+        return self.gate(x)
+
     def fused_for(self, dtype: torch.dtype) -> bool:
         """Whether a decode step in `dtype` runs the fused op whatever its size (compiled steps do)."""
         return self.stacked is not None and self.stacked.int8_rows(dtype) > 0
@@ -125,14 +139,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused(x):
-            routed = cast(StackedExperts, self.stacked)(x, self.gate(x), self.top_k, self.routing)
+            routed = cast(StackedExperts, self.stacked)(x, self.router_logits(x), self.top_k, self.routing)
             out = routed if self.shared_expert is None else self.shared_expert(x) + routed
             return out if self.tp is None else self.tp.group.all_reduce(out)
         if self.sigmoid_router:  # Llama 4: top-k logits, their sigmoid scales the expert's input
-            logits, chosen = self.gate(x).topk(self.top_k, dim=-1)
+            logits, chosen = self.router_logits(x).topk(self.top_k, dim=-1)
             weights = torch.sigmoid(logits.float()).to(x.dtype)
         else:
-            probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E], float32 like the reference
+            probs = torch.softmax(self.router_logits(x).float(), dim=-1)  # [T, E], float32 like the reference
             weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
