@@ -73,8 +73,14 @@ def check_supported(request: SamplingRequest, table: dict[str, tuple]) -> None:
 
 
 def check_messages(messages: list[ChatMessage]) -> list[str]:
-    """400 for a message field that is not implemented (tool_calls, ...); the unknown ones' names."""
+    """400 for a message field that is not implemented (tool_calls, ...), and for a message other than an
+    assistant's without content (null or missing: OpenAI's 400, rather than an empty turn rendered into
+    the prompt); the unknown fields' names."""
     unknown: list[str] = []
     for i, message in enumerate(messages):
+        if message.content is None and message.role != "assistant":
+            raise APIError(400, f"Missing required parameter: 'messages[{i}].content' (a {message.role!r} message "
+                                "needs a string or a list of content parts).", f"messages.{i}.content",
+                           "missing_required_parameter")
         unknown += _refuse(message.model_extra, _UNSUPPORTED_MESSAGE, f"messages.{i}.")
     return unknown
