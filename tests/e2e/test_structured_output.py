@@ -126,6 +126,8 @@ def test_streamed_schema_output_joins_to_valid_json(client) -> None:
      "schema"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "parenthesis"),
     ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs", "EBNF"),
+    ({"structured_outputs": {"grammar": 'root ::= "a" root'}}, "structured_outputs", "no finite output"),
+    ({"guided_grammar": 'root ::= x "."\nx ::= "(" x ")"'}, "guided_grammar", "no finite output"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"whitespace_pattern": " *", "regex": "a"}}, "structured_outputs.whitespace_pattern",

@@ -236,12 +236,14 @@ def test_a_grammar_that_accepts_no_output_is_refused() -> None:
 
 @requires_smollm2
 def test_a_grammar_dead_end_ends_the_request(llm_fp32) -> None:
-    """`root ::= "a" x; x ::= x` allows "a" and then nothing, not even a stop token: the request ends
-    there with "stop" (EOS), its text "a", instead of sampling tokens that break it until max_tokens.
-    The unguided row beside it is unchanged."""
+    """`root ::= "a" x | "~~~~"; x ::= x` allows "a" and then nothing, not even a stop token (the grammar
+    has a finite output, "~~~~", so it compiles; without one it is refused, test above): the request
+    ends there with "stop" (EOS), its text "a", instead of sampling tokens that break it until
+    max_tokens. The unguided row beside it is unchanged."""
     greedy = SamplingParams(temperature=0, max_tokens=6)
     alone = llm_fp32.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].text
-    dead = SamplingParams(temperature=0, max_tokens=8, structured_outputs=Spec(grammar='root ::= "a" x\nx ::= x'))
+    dead = SamplingParams(temperature=0, max_tokens=8,
+                          structured_outputs=Spec(grammar='root ::= "a" x | "~~~~"\nx ::= x'))
     out = llm_fp32.generate(PROMPTS[:2], [greedy, dead], use_tqdm=False)
     assert out[0].outputs[0].text == alone
     assert out[1].outputs[0].text == "a" and out[1].outputs[0].finish_reason == FinishReason.STOP

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ferrylm.model.structured.grammar_finite import has_finite_output
 from ferrylm.model.structured.grammar_worker import (
     STARTUP_TIMEOUT_S,
     CompileCancelled,
@@ -181,6 +182,9 @@ class GrammarCompiler:
             if _accepts_nothing(xgrammar, compiled, self._vocab_size):
                 raise ValueError("the constraint accepts no output at all (no token may start it and it cannot be "
                                  "empty: its rules never reach a terminal)")
+            if not has_finite_output(str(compiled.grammar)):
+                raise ValueError("the constraint has no finite output: every derivation of its root recurses "
+                                 "without end, so a request could only stop at max_tokens")
             return compiled
         except CompileTimeout:
             raise StructuredOutputError(f"Invalid '{param}': compiling it took longer than the "
@@ -300,7 +304,7 @@ def new_matcher(compiled: Any) -> Any:
 def apply_grammar_masks(logits: Any, rows: list[int], matchers: list[Any]) -> list[int]:
     """Set to -inf, in place, every logit the matcher of row rows[j] forbids (other rows untouched).
     Returns the rows whose grammar allows no token at all, not even a stop token: a dead end (its
-    rules can never finish from here, e.g. `root ::= "a" x; x ::= x` after "a")."""
+    rules can never finish from here, e.g. `root ::= "a" x | "b"; x ::= x` after "a")."""
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[1])
