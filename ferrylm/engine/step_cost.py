@@ -28,13 +28,6 @@ class StepCostModel:
             self._steps.append((tokens, min(max(scored, 0), tokens), seconds))
             self._fitted = None
 
-    def line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None before any step. While the window holds one
-        token count only, the fixed part cannot be told apart: every second is charged to the tokens
-        (a cost per token too high, so the allowance errs small)."""
-        fit = self._fit()
-        return None if fit is None else (fit[0], fit[1])
-
     def token_seconds(self, scored: bool = False) -> float | None:
         """What one more prompt token costs (a scored one: plus its LM head and log-softmax)."""
         fit = self._fit()
@@ -62,17 +55,11 @@ class StepCostModel:
         return fixed, per_token, max(0.0, extra)
 
     def step_seconds(self, decode_tokens: int) -> float | None:
-        """A step of `decode_tokens` decode rows and nothing else, as the fit predicts it."""
+        """A step of `decode_tokens` decode rows and nothing else, as the fit predicts it (0 rows: its
+        fixed part). While the window holds one token count only, the fixed part cannot be told apart:
+        every second is charged to the tokens (a cost per token too high, so budgets err small)."""
         fit = self._fit()
         return None if fit is None else fit[0] + fit[1] * decode_tokens
-
-    def prefill_allowance(self, headroom: float, decode_tokens: int, scored: bool = False) -> int:
-        """Prompt tokens (scored ones if `scored`) that lengthen a step of `decode_tokens` decode rows
-        by at most `headroom` of its time (at least 1: a prompt always progresses)."""
-        step, per_token = self.step_seconds(decode_tokens), self.token_seconds(scored)
-        if step is None or per_token is None:
-            return 1
-        return max(1, int(headroom * step / per_token))
 
 
 def _line(steps: list[tuple[int, float]]) -> tuple[float, float]:

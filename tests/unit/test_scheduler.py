@@ -287,7 +287,7 @@ def test_decode_isolation_caps_another_tenants_prompt_beside_decodes():
         sizes.append({i.request_id: len(i.token_ids) for i in step(s).scheduled}.get("b"))
     assert sizes[:4] == [1, 1, 1, 1]  # A (a0-a3 and a-new) still decoding
     # the fitted line: 8.5 ms + 2.1 ms a token; 4 decode rows: 17 ms; 200% of it buys 16 tokens
-    assert s.step_cost.prefill_allowance(2.0, 4) == 16
+    assert int(2.0 * s.step_cost.step_seconds(4) / s.step_cost.token_seconds()) == 16
 
 
 def test_decode_isolation_off_or_one_tenant_leaves_prompts_uncapped():
@@ -313,12 +313,13 @@ def test_step_cost_line_is_learned_from_steps():
     from ferrylm.engine.step_cost import StepCostModel
 
     model = StepCostModel()
-    assert model.line() is None and model.prefill_allowance(0.2, 4) == 1
+    assert model.step_seconds(4) is None and model.token_seconds() is None
     model.observe(4, 0.02)
-    assert model.line() == (0.0, 0.005)  # one token count: all of it charged to the tokens
+    # one token count: all of it charged to the tokens
+    assert (model.step_seconds(0), model.token_seconds()) == (0.0, 0.005)
     for tokens in (4, 8, 16, 32, 64):
         model.observe(tokens, 0.010 + 0.001 * tokens)
-    fixed, per_token = model.line()
+    fixed, per_token = model.step_seconds(0), model.token_seconds()
     assert 0.005 < fixed < 0.015 and 0.0008 < per_token < 0.0012
 
 
@@ -336,7 +337,9 @@ def test_step_cost_learns_what_a_scored_prompt_token_costs():
         model.observe(6, 0.010 + 0.002 * 4 + 0.006 * 2, scored=2)
     assert abs(model.token_seconds(scored=True) - 0.006) < 1e-6
     assert abs(model.step_seconds(4) - 0.018) < 1e-6  # the decode-only line is unchanged by them
-    assert model.prefill_allowance(0.5, 4) == 4 and model.prefill_allowance(0.5, 4, scored=True) == 1
+    # half of a 4-row step buys 4 plain prompt tokens, 1 scored one
+    assert int(0.5 * model.step_seconds(4) / model.token_seconds()) == 4
+    assert int(0.5 * model.step_seconds(4) / model.token_seconds(scored=True)) == 1
 
 
 def test_decode_isolation_charges_a_scoring_prompt_its_own_cost():
