@@ -40,6 +40,7 @@ from ferrylm.model.sampler import (
     SamplerOutput,
     SamplingBatch,
     SamplingRequestState,
+    greedy_ids,
     plain_greedy,
     token_logprobs,
 )
@@ -515,7 +516,7 @@ class ModelRunner:
                 # instead of sampling from all -inf and breaking its constraint until max_tokens
                 logits[row, self.eos_token_ids] = 0.0
         if plain_greedy(states):
-            result = SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            result = SamplerOutput(greedy_ids(logits), None, None, None)
         else:
             result = self.sampler(logits, SamplingBatch.build(states, self.config.vocab_size, self.eos_token_ids,
                                                               self.device))

@@ -13,6 +13,7 @@ from ferrylm.model.sampler import (
     SamplingBatch,
     SamplingRequestState,
     apply_penalties_and_bias,
+    greedy_ids,
     plain_greedy,
 )
 from ferrylm.sampling_params import SamplingParams
@@ -519,3 +520,18 @@ def test_plain_greedy_is_exactly_when_the_built_batch_is_plain_greedy_without_lo
     if plain_greedy(states):
         logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
         assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(dim=-1))
+
+
+def test_greedy_ids_equal_torch_argmax_ties_nan_and_inf_included() -> None:
+    """greedy_ids (numpy's argmax on float32 CPU logits) picks what torch.argmax picks: the first maximum,
+    a NaN as the maximum, an all -inf row's first index; strided views and other dtypes too."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen)
+    logits[1, [10, 700]] = 9.0  # a tie: the first
+    logits[2, [30, 40]] = float("nan")  # NaN counts as the maximum, the first one
+    logits[3] = float("-inf")
+    logits[4, 5] = float("inf")
+    logits[5, :] = 0.0
+    for x in (logits, logits[:, ::2], logits[::2], logits[:0], logits.bfloat16(), logits.half()):
+        got = greedy_ids(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), x.dtype
