@@ -18,7 +18,9 @@
 // like transformers': softmax over all experts then top-k (optionally renormalised), or (Llama 4) top-k
 // logits whose sigmoid scales the expert's input; ties go to the lower expert index.
 #include <ATen/Parallel.h>
+
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "int8_tiles.h"
@@ -172,17 +174,22 @@ torch::Tensor moe_experts_int8(const torch::Tensor& x, const torch::Tensor& logi
     for (int64_t s = 0; s < S; ++s)
       if (r.offsets[s + 1] > r.offsets[s]) active.push_back(s);
     std::vector<float> act(P * I), y(P * H);
-    // act = silu(gate) * up for gate/up rows [lo, lo + TILE) of slot s, every pair of the slot (g, u: scratch)
-    auto gate_up_tile = [&](int64_t s, int64_t lo, float* g, float* u) {
-      const int64_t hi = std::min(I, lo + TILE), m0 = r.offsets[s], m1 = r.offsets[s + 1];
+    // act = silu(gate) * up for gate/up rows [lo, lo + width) of slot s, every pair of the slot (g, u: scratch
+    // of MAX_ROWS x width). The gate rows are computed TILE at a time, then the up rows: with width = I they
+    // are two long runs through memory. 16-row steps alternating between gate and up took 10% longer an MoE
+    // layer from DRAM (1 row, 2 threads, 6.7 MB a layer: 328 vs 295 us, bench/RESULTS.md).
+    auto gate_up_tile = [&](int64_t s, int64_t lo, int64_t width, float* g, float* u) {
+      const int64_t hi = std::min(I, lo + width), m0 = r.offsets[s], m1 = r.offsets[s + 1];
       const Packed w = slot_view(gu, s, 2 * I);
       for (int64_t c = m0; c < m1; c += MAX_ROWS) {
         const int64_t c1 = std::min(m1, c + MAX_ROWS);
-        rows_range(wide, gu_q4, w, qa, c, c1, lo, hi, g, TILE);
-        rows_range(wide, gu_q4, w, qa, c, c1, I + lo, I + hi, u, TILE);
+        for (int64_t sub = lo; sub < hi; sub += TILE)
+          rows_range(wide, gu_q4, w, qa, c, c1, sub, std::min(hi, sub + TILE), g + (sub - lo), width);
+        for (int64_t sub = lo; sub < hi; sub += TILE)
+          rows_range(wide, gu_q4, w, qa, c, c1, I + sub, I + std::min(hi, sub + TILE), u + (sub - lo), width);
         for (int64_t m = 0; m < c1 - c; ++m)
           for (int64_t j = 0; j < hi - lo; ++j) {
-            const float gv = round_to<scalar_t>(g[m * TILE + j]), uv = round_to<scalar_t>(u[m * TILE + j]);
+            const float gv = round_to<scalar_t>(g[m * width + j]), uv = round_to<scalar_t>(u[m * width + j]);
             const float silu = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
             act[(c + m) * I + lo + j] = round_to<scalar_t>(silu * uv);
           }
@@ -200,10 +207,13 @@ torch::Tensor moe_experts_int8(const torch::Tensor& x, const torch::Tensor& logi
       // the MoE GGUF bench model (2 threads, medians of 6 / 4 alternating runs): 14.9 vs 16.3 ms a token
       // at 1 stream, 109 vs 115 ms a step at 16.
       at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> g(MAX_ROWS * TILE), u(MAX_ROWS * TILE);
+        std::unique_ptr<float[]> g(new float[MAX_ROWS * I]), u(new float[MAX_ROWS * I]);
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t s = active[i], m0 = r.offsets[s];
-          for (int64_t lo = 0; lo < I; lo += TILE) gate_up_tile(s, lo, g.data(), u.data());
+          // an expert's gate and up rows in two runs while its pairs fit one chunk of activation rows; with
+          // more, TILE rows at a time so that each weight tile stays in L1 while every chunk passes over it
+          const int64_t width = r.offsets[s + 1] - m0 <= MAX_ROWS ? I : TILE;
+          for (int64_t lo = 0; lo < I; lo += width) gate_up_tile(s, lo, width, g.get(), u.get());
           const QuantizedActs q = quantize_acts(act.data() + m0 * I, r.offsets[s + 1] - m0, I, d_group, d_q4, wide);
           for (int64_t lo = 0; lo < H; lo += TILE) down_tile(s, lo, q, m0);
         }
@@ -215,7 +225,7 @@ torch::Tensor moe_experts_int8(const torch::Tensor& x, const torch::Tensor& logi
         for (int64_t lo = 0; lo < I; lo += TILE) items.emplace_back(s, lo);
       at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> g(MAX_ROWS * TILE), u(MAX_ROWS * TILE);
-        for (int64_t i = i0; i < i1; ++i) gate_up_tile(items[i].first, items[i].second, g.data(), u.data());
+        for (int64_t i = i0; i < i1; ++i) gate_up_tile(items[i].first, items[i].second, TILE, g.data(), u.data());
       });
       const QuantizedActs qd = quantize_acts(act.data(), P, I, d_group, d_q4, wide);
       items.clear();
