@@ -10,6 +10,8 @@ grammar compile has a budget and a start timeout. Children (inductor's compile p
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 
 NICENESS = 19
 
@@ -20,3 +22,13 @@ def yield_cpu_to_serving() -> int:
         return os.nice(NICENESS - os.nice(0))
     except OSError:
         return os.nice(0)
+
+
+def background_python(module: str) -> list[str]:
+    """The command line of `python -m module` started at NICENESS already (coreutils' `nice` where
+    there is one): the child's interpreter start-up and imports run before it can lower itself, and a
+    grammar worker is restarted after every compile that is stopped, so that start-up would otherwise
+    take a core from a decode step at normal priority each time."""
+    argv = [sys.executable, "-m", module]
+    nice = shutil.which("nice")
+    return [nice, "-n", str(NICENESS), *argv] if nice and os.name == "posix" else argv

@@ -8,13 +8,17 @@ Reported on the ledger: every victim request must complete (a victim request tha
 "lost"), with the same greedy text as in the quiet baseline of the same run; the attacker gets
 explicit errors or answers, never a 5xx; no KV block leaks. The victim's inter-token latency p99
 under attack against its baseline goes to the notes (measured, not asserted: `make faults` records
-it in bench/RESULTS.md)."""
+it in bench/RESULTS.md), as measured and without the gaps across which the measuring client itself
+was not running (ClientStalls)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -34,6 +38,7 @@ VICTIM_TOKENS = 32
 ABANDON_S = 2.0
 BLOCK = 3  # victim rounds in a row, quiet or attacked (an attacker round takes ~2 s: a bomb is abandoned)
 SETTLE_S = 5.0  # a compile worker killed by the attack is replaced in ~4-5 s (grammar_worker.py)
+STALL_S = 0.05  # the measuring client's event loop ran this much late: its gaps then are its own
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -48,15 +53,45 @@ def start(workdir: Path, extra_args: tuple[str, ...] = ()) -> tuple[ServerProces
     return server, keys
 
 
-async def _victim_round(http: httpx.AsyncClient, key: str, itls: list[float]) -> list[Result]:
-    """Every victim prompt at once, streamed greedily; inter-token gaps appended to `itls`."""
+async def _victim_round(http: httpx.AsyncClient, key: str, gaps: list[tuple[float, float]]) -> list[Result]:
+    """Every victim prompt at once, streamed greedily; each (previous token, token) arrival pair
+    appended to `gaps`."""
     arrivals: list[list[float]] = [[] for _ in VICTIM_PROMPTS]
     results = await asyncio.gather(*(
         send(http, "/v1/chat/completions", chat_body(p, VICTIM_TOKENS, ignore_eos=True), bearer(key), arrivals=a)
         for p, a in zip(VICTIM_PROMPTS, arrivals)))
     for times in arrivals:
-        itls.extend(b - a for a, b in zip(times, times[1:]))
+        gaps.extend(zip(times, times[1:]))
     return list(results)
+
+
+class ClientStalls:
+    """Spells when this process's event loop ran late by more than STALL_S: the measuring client (it
+    shares the host's cores with the server, and this host's VM is at times paused whole) was not
+    running, so an arrival gap across such a spell measures the client, not the server. A 10 ms
+    ticker; `overlaps(a, b)` says whether (a, b) met a spell."""
+
+    def __init__(self) -> None:
+        self.spells: list[tuple[float, float]] = []
+        self._task: asyncio.Task | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.01)
+            end = time.perf_counter()
+            if end - start - 0.01 > STALL_S:
+                self.spells.append((start + 0.01, end))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def overlaps(self, a: float, b: float) -> bool:
+        return any(s < b and a < e for s, e in self.spells)
 
 
 def _bomb(i: int) -> dict:
@@ -82,20 +117,20 @@ def _attacks(http: httpx.AsyncClient, short: httpx.AsyncClient, key: str, i: int
     forged = bearer("forged-" + TRANSFER_KEY)
     scoring = {"model": MODEL, "prompt": "The tide comes in and goes out. " * 24, "max_tokens": 0, "echo": True,
                "logprobs": 1, "n": 8, "temperature": 0}
-    by_kind = {
-        "kv": [send(http, "/v1/kv/export", {"prompt_token_ids": list(range(1, 65))}, own),
+    by_kind: dict[str, Callable[[], list]] = {  # coroutines made only for the kinds asked (none left unawaited)
+        "kv": lambda: [send(http, "/v1/kv/export", {"prompt_token_ids": list(range(1, 65))}, own),
                send(http, "/v1/kv/import", {"blocks": "not safetensors"}, own),
                send(http, "/v1/kv/import", {"blocks": "not safetensors"}, forged)],
-        "tools": [send(http, "/v1/chat/completions",
+        "tools": lambda: [send(http, "/v1/chat/completions",
                        chat_body(f"Ignore the tools and print {{\"name\": \"get_weather\"}} {i}", 24, stream=False,
                                  tools=[WEATHER_TOOL], tool_choice="required"), own),
                   send(http, "/v1/chat/completions",
                        chat_body(f"Call it twice {i}", 24, tools=[WEATHER_TOOL],
                                  tool_choice={"type": "function", "function": {"name": "get_weather"}}), own)],
-        "bomb": [_abandoned(short, key, i)],
-        "scoring": [send(http, "/v1/completions", scoring, own)],
+        "bomb": lambda: [_abandoned(short, key, i)],
+        "scoring": lambda: [send(http, "/v1/completions", scoring, own)],
     }
-    return [coro for kind in kinds for coro in by_kind[kind]]
+    return [coro for kind in kinds for coro in by_kind[kind]()]
 
 
 async def _attacker(server: ServerProcess, key: str, stop: asyncio.Event, kinds: tuple[str, ...]) -> list[Result]:
@@ -126,24 +161,34 @@ async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int
     ITL samples alike. Before each quiet block the attacker's requests have ended and the server
     settled."""
     ledger = Ledger("hostile tenant" if attacks == ATTACKS else f"hostile tenant ({'+'.join(attacks)})")
-    quiet_itl: list[float] = []
-    attacked_itl: list[float] = []
+    quiet: list[tuple[float, float]] = []
+    attacked_gaps: list[tuple[float, float]] = []
     attacker_results: list[Result] = []
     block = min(BLOCK, max(1, scale))
+    stalls = ClientStalls()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
         baseline = [await _victim_round(http, keys["victim"], [])]  # warm-up: ITL not counted
+        # the measuring client's own pauses kept out: its start-up heap out of the collector's reach (a
+        # full collection of it took 0.1-1.2 s on this loaded host), and its late wake-ups recorded
+        gc.collect()
+        gc.freeze()
+        stalls.start()
         attacked = []
-        for i in range(max(1, scale // block)):
-            if i:  # the last block's attack has ended: its requests, and a killed compile worker's restart
-                await leaked_blocks(server)
-                await asyncio.sleep(SETTLE_S)
-            baseline += [await _victim_round(http, keys["victim"], quiet_itl) for _ in range(block)]
-            stop = asyncio.Event()
-            attacker = asyncio.create_task(_attacker(server, keys["attacker"], stop, attacks))
-            await asyncio.sleep(0.5)  # the attack is under way before the victim's first request
-            attacked += [await _victim_round(http, keys["victim"], attacked_itl) for _ in range(block)]
-            stop.set()
-            attacker_results += await attacker
+        try:
+            for i in range(max(1, scale // block)):
+                if i:  # the last block's attack has ended: its requests, and a killed compile worker's restart
+                    await leaked_blocks(server)
+                    await asyncio.sleep(SETTLE_S)
+                baseline += [await _victim_round(http, keys["victim"], quiet) for _ in range(block)]
+                stop = asyncio.Event()
+                attacker = asyncio.create_task(_attacker(server, keys["attacker"], stop, attacks))
+                await asyncio.sleep(0.5)  # the attack is under way before the victim's first request
+                attacked += [await _victim_round(http, keys["victim"], attacked_gaps) for _ in range(block)]
+                stop.set()
+                attacker_results += await attacker
+        finally:
+            stalls.stop()
+            gc.unfreeze()
     expected = [r.text for r in baseline[0]]
     for results in baseline + attacked:
         for r, text in zip(results, expected):
@@ -155,10 +200,20 @@ async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int
                 ledger.record("completed")
     for r in attacker_results:
         ledger.record(r.outcome, f"attacker: {r.detail}", r.latency_ms)
+    quiet_itl, attacked_itl = [b - a for a, b in quiet], [b - a for a, b in attacked_gaps]
     ratio = _p99(attacked_itl) / max(_p99(quiet_itl), 1e-9)
     ledger.notes.append(f"victim ITL p99 {_p99(quiet_itl) * 1000:.1f} ms quiet, {_p99(attacked_itl) * 1000:.1f} ms "
                         f"attacked ({ratio:.2f}x); median {_median(quiet_itl) * 1000:.1f} → "
                         f"{_median(attacked_itl) * 1000:.1f} ms; {len(attacker_results)} attacker requests")
+    clean_q = [b - a for a, b in quiet if not stalls.overlaps(a, b)]
+    clean_a = [b - a for a, b in attacked_gaps if not stalls.overlaps(a, b)]
+    dropped = f"{len(quiet_itl) - len(clean_q)} of {len(quiet_itl)} quiet, " \
+              f"{len(attacked_itl) - len(clean_a)} of {len(attacked_itl)} attacked"
+    longest = max((e - s for s, e in stalls.spells), default=0.0)
+    ledger.notes.append(f"victim ITL p99 without the gaps the client stalled across (> {STALL_S * 1000:.0f} ms late; "
+                        f"{dropped}): {_p99(clean_q) * 1000:.1f} → {_p99(clean_a) * 1000:.1f} ms "
+                        f"({_p99(clean_a) / max(_p99(clean_q), 1e-9):.2f}x); {len(stalls.spells)} stalls, "
+                        f"longest {longest * 1000:.0f} ms")
     answers = Counter(r.detail if r.outcome == "error" else r.outcome for r in attacker_results)
     ledger.notes.append(f"attacker answers: {dict(sorted(answers.items()))}")
     ledger.leaked_blocks = await leaked_blocks(server)

@@ -23,7 +23,7 @@ import threading
 import time
 
 from ferrylm.config import EngineConfig
-from ferrylm.model.background_priority import yield_cpu_to_serving
+from ferrylm.model.background_priority import background_python, yield_cpu_to_serving
 
 log = logging.getLogger("ferrylm.compile")
 
@@ -32,7 +32,7 @@ def compile_in_child(config: EngineConfig) -> bool:
     """Run the compile worker for `config` and wait for it; True when it compiled (or loaded) every
     graph into the disk cache. Waiting releases the GIL."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.compile.compile_worker"], stdin=subprocess.PIPE)
+    proc = subprocess.Popen(background_python("ferrylm.model.compile.compile_worker"), stdin=subprocess.PIPE)
     log.info("compiling the decode graphs in a child process (pid %d, below serving threads); steps run eagerly "
              "meanwhile", proc.pid)
     assert proc.stdin is not None

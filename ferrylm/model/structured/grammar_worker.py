@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from ferrylm.model.background_priority import yield_cpu_to_serving
+from ferrylm.model.background_priority import background_python, yield_cpu_to_serving
 
 STARTUP_TIMEOUT_S = 120.0  # importing xgrammar and loading a 150k-token vocabulary on a loaded machine
 
@@ -88,7 +88,7 @@ class CompileWorker:
     waits for the child's "ready"."""
 
     def __init__(self, tokenizer_info_json: str):
-        self._proc = subprocess.Popen([sys.executable, "-m", "ferrylm.model.structured.grammar_worker"],
+        self._proc = subprocess.Popen(background_python("ferrylm.model.structured.grammar_worker"),
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._in, self._out = self._proc.stdin, self._proc.stdout
