@@ -205,6 +205,8 @@ async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int
     ledger.notes.append(f"victim ITL p99 {_p99(quiet_itl) * 1000:.1f} ms quiet, {_p99(attacked_itl) * 1000:.1f} ms "
                         f"attacked ({ratio:.2f}x); median {_median(quiet_itl) * 1000:.1f} → "
                         f"{_median(attacked_itl) * 1000:.1f} ms; {len(attacker_results)} attacker requests")
+    answers = Counter(r.detail if r.outcome == "error" else r.outcome for r in attacker_results)
+    ledger.notes.append(f"attacker answers: {dict(sorted(answers.items()))}")
     clean_q = [b - a for a, b in quiet if not stalls.overlaps(a, b)]
     clean_a = [b - a for a, b in attacked_gaps if not stalls.overlaps(a, b)]
     dropped = f"{len(quiet_itl) - len(clean_q)} of {len(quiet_itl)} quiet, " \
@@ -214,7 +216,5 @@ async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int
                         f"{dropped}): {_p99(clean_q) * 1000:.1f} → {_p99(clean_a) * 1000:.1f} ms "
                         f"({_p99(clean_a) / max(_p99(clean_q), 1e-9):.2f}x); {len(stalls.spells)} stalls, "
                         f"longest {longest * 1000:.0f} ms")
-    answers = Counter(r.detail if r.outcome == "error" else r.outcome for r in attacker_results)
-    ledger.notes.append(f"attacker answers: {dict(sorted(answers.items()))}")
     ledger.leaked_blocks = await leaked_blocks(server)
     return ledger

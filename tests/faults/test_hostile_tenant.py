@@ -14,9 +14,11 @@ def test_a_hostile_tenant_cannot_fail_slow_or_change_a_steady_one(tmp_path, faul
         ledger = run_and_check(hostile_tenant.hostile_tenant(server, keys), fault_report)
         victim_requests = 3 * len(hostile_tenant.VICTIM_PROMPTS)
         assert ledger.counts["completed"] >= victim_requests
-        answers = ledger.notes[1]  # the KV routes refused the attacker's key (403) and a forged transfer key (401)
+        # the KV routes refused the attacker's key (403) and a forged transfer key (401)
+        answers = next(n for n in ledger.notes if n.startswith("attacker answers"))
         assert "403 permission_denied" in answers and "401 invalid_api_key" in answers, answers
         assert "completed" in answers, answers  # its tool-forcing and scoring requests were served
         assert "victim ITL p99" in ledger.notes[0]
+        assert any("without the gaps the client stalled across" in n for n in ledger.notes)
     finally:
         assert server.stop() == 0, server.log_tail()
