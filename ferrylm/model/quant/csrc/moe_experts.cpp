@@ -63,18 +63,6 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// t's values as float32, row-major: as t.to(float) computes them, without dispatching an op (~2-4 us a
-// call, two a layer).
-std::vector<float> widened(const torch::Tensor& t) {
-  const torch::Tensor c = t.contiguous();
-  std::vector<float> out(c.numel());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.scalar_type(), "moe_experts_widen", [&] {
-    const scalar_t* src = c.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < c.numel(); ++i) out[i] = static_cast<float>(src[i]);
-  });
-  return out;
-}
-
 struct Route {
   std::vector<int64_t> token, offsets;  // pair p's token; slot s's pairs are [offsets[s], offsets[s + 1])
   std::vector<float> weight;            // pair p's routing weight, rounded to x's dtype

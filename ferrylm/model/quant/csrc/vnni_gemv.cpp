@@ -48,12 +48,8 @@ static torch::Tensor linear_neon(const torch::Tensor& x, const Packed& w, int64_
   TORCH_CHECK(ferry_neon::gemv_supports(q4, K, group_size), "quant_linear_vnni: group ", group_size, " unsupported");
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-  const torch::Tensor xc = x.contiguous();
-  std::vector<float> xf(M * K), yf(M * N);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear_neon_x", [&] {
-    const scalar_t* src = xc.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(src[i]);
-  });
+  const std::vector<float> xf = widened(x);
+  std::vector<float> yf(M * N);
   const ferry_neon::PackedWeights nw{w.codes, w.row_bytes, w.scales, w.mins, w.groups, group_size, w.f16, q4};
   for (int64_t m0 = 0; m0 < M; m0 += ferry_neon::GEMV_MAX_ROWS) {
     const int64_t rows = std::min<int64_t>(ferry_neon::GEMV_MAX_ROWS, M - m0);
@@ -84,13 +80,7 @@ torch::Tensor quant_linear_vnni(const torch::Tensor& x, const torch::Tensor& cod
               group_size, " unsupported");
   if (M == 0) return torch::empty({0, N}, x.options());  // no rows (a step that samples none): the tiles read row 0
   const Packed w = describe(codes, scales, mins, group_size);
-  // x widened here, not by x.to(float): that was one more dispatched op (~4 us) per call, 120 a step.
-  const torch::Tensor xc = x.contiguous();
-  std::vector<float> xf(M * K);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear_vnni_x", [&] {
-    const scalar_t* src = xc.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(src[i]);
-  });
+  const std::vector<float> xf = widened(x);  // not x.to(float): one more dispatched op (~4 us) per call
   const bool wide = use_zmm();
   const QuantizedActs a = quantize_acts(xf.data(), M, K, group_size, q4, wide);
   torch::Tensor out = torch::empty({M, N}, x.options());
