@@ -41,7 +41,7 @@ def bomb(i: int) -> StructuredOutputsParams:
 
 
 def refusal_seconds(grammars, budget: float, i: int) -> float:
-    grammars.limits = GrammarLimits(compile_timeout_s=budget)
+    grammars.limits = GrammarLimits(compile_timeout_s=budget, compile_memory_bytes=0)  # the time budget alone
     started = time.perf_counter()
     try:
         grammars.submit(bomb(i)).result(120)
@@ -75,7 +75,7 @@ def attack(grammars, stop: threading.Event, budget: float, counter: list[int]) -
     while not stop.is_set():
         counter[0] += 1
         try:
-            grammars.limits = GrammarLimits(compile_timeout_s=budget)
+            grammars.limits = GrammarLimits(compile_timeout_s=budget, compile_memory_bytes=0)
             grammars.submit(bomb(10_000 + counter[0])).result(120)
         except ValueError:
             pass

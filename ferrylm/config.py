@@ -337,6 +337,10 @@ class EngineConfig:
     grammar_compile_timeout_s: float = option(
         5.0, "seconds one structured-output constraint may take to compile (in a worker process, killed past "
              "it); the request then gets a 400", name="grammar_compile_timeout")
+    grammar_compile_memory_mb: int = option(
+        512, "MiB of memory one structured-output constraint's compile may take (the worker's data limit, "
+             "from what it holds when ready); past it the request gets a 400; 0: no limit",
+        name="grammar_compile_memory")
 
     def __post_init__(self) -> None:
         if self.quantization is not None:
@@ -346,6 +350,9 @@ class EngineConfig:
         check_speculative_with_tp(self.speculative, self.tensor_parallel_size)
         if not self.grammar_compile_timeout_s > 0:
             raise ConfigError("--grammar-compile-timeout must be positive")
+        if not isinstance(self.grammar_compile_memory_mb, int) or self.grammar_compile_memory_mb < 0:
+            raise ConfigError(f"--grammar-compile-memory must be a whole number of MiB >= 0, "
+                              f"not {self.grammar_compile_memory_mb!r}")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space == 0:
             raise ConfigError("--preemption-mode swap needs host memory for the swapped blocks: --swap-space > 0")
 

@@ -122,7 +122,8 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
     return build(config)
 
 
-def build_grammar_compiler(tokenizer: Tokenizer, vocab_size: int, compile_timeout_s: float) -> Any:
+def build_grammar_compiler(tokenizer: Tokenizer, vocab_size: int, compile_timeout_s: float,
+                           compile_memory_mb: int = 512) -> Any:
     """The structured-output compiler for `tokenizer` (model/structured/structured_output.GrammarCompiler), or
     None for a tokenizer without a Hugging Face twin. Nothing is compiled until a request asks."""
     hf = getattr(tokenizer, "hf", None)
@@ -130,5 +131,5 @@ def build_grammar_compiler(tokenizer: Tokenizer, vocab_size: int, compile_timeou
         return None
     from ferrylm.model.structured.structured_output import GrammarCompiler, GrammarLimits
 
-    limits = GrammarLimits(compile_timeout_s=compile_timeout_s)
+    limits = GrammarLimits(compile_timeout_s=compile_timeout_s, compile_memory_bytes=compile_memory_mb << 20)
     return GrammarCompiler(hf, vocab_size, tuple(tokenizer.eos_token_ids), limits)

@@ -110,7 +110,8 @@ class Engine:
         self.generation_tokens_total = 0
         self.prefill_tokens_total, self.decode_tokens_total, self.num_steps_total = 0, 0, 0  # batch composition
         self.grammars = grammars if grammars is not None else \
-            build_grammar_compiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
+            build_grammar_compiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s,
+                                   config.grammar_compile_memory_mb)
         self._compiling: list[Request] = []  # requests whose grammar was not compiled when they arrived
         self.adapters = Adapters(config.lora, executor, self._requests_of_adapter)
         self._step_in_flight = False

@@ -5,6 +5,8 @@ the request was queued aborts that request alone (its KV blocks freed)."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -153,8 +155,6 @@ def test_a_killed_compile_worker_is_replaced_by_a_ready_spare_before_the_next_co
     """After a worker is killed (budget, or nobody waiting) a spare starts in the background and
     reports ready (xgrammar imported, tokenizer loaded): the next compile takes it, so its budget is
     not spent on a process start (bench/compile_budget.py: a 1 s budget refused after 5.4 s before)."""
-    import time
-
     from ferrylm.model.loaders.model_source import resolve_model
     from ferrylm.model.structured.structured_output import GrammarCompiler, GrammarLimits
     from ferrylm.tokenizer import Tokenizer
@@ -207,6 +207,59 @@ def test_a_compile_worker_runs_below_the_serving_threads() -> None:
     try:
         worker.wait_ready()
         assert os.getpriority(os.PRIO_PROCESS, worker.pid) == NICENESS
+        if sys.platform.startswith("linux"):
+            assert os.sched_getscheduler(worker.pid) == os.SCHED_IDLE
+        assert worker.compile("regex", "[a-z]{3}", True, 30.0, lambda: False)
+    finally:
+        started = time.monotonic()
+        worker.kill()
+    assert not worker.alive and time.monotonic() - started < 1.0  # reaped in the background, never waited on
+
+
+@requires_smollm2
+def test_a_compile_past_its_memory_budget_is_refused_and_its_worker_keeps_serving() -> None:
+    """The worker's data may grow by compile_memory_bytes past what it held when ready: past that the
+    compile fails (xgrammar's std::bad_alloc) with a 400 naming the field, and the worker, still
+    ready, serves the next compile: no process is killed and restarted for it."""
+    from ferrylm.model.loaders.model_source import resolve_model
+    from ferrylm.model.structured.structured_output import GrammarCompiler, GrammarLimits
+    from ferrylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model("smollm2-135m"))
+    limits = GrammarLimits(compile_timeout_s=120, compile_memory_bytes=64 << 20)
+    compiler = GrammarCompiler(tok.hf, len(tok.hf), tuple(tok.eos_token_ids), limits)
+    big = {"type": "object", "properties": {  # ~850 MB and 4 s to compile uncapped on an AVX-512 Zen 4
+        f"p{i}": {"type": "string", "pattern": "^[a-z]{2,9}@[a-z]{3,9}\\.com$"} for i in range(120)}}
+    try:
+        assert compiler.submit(Spec(regex="[a-z]{3}")).result(120) is not None  # the worker is up
+        (worker,) = compiler._idle
+        with pytest.raises(StructuredOutputError, match="64 MiB memory budget") as e:
+            compiler.submit(Spec(json=big, param="response_format")).result(120)
+        assert e.value.param == "response_format"
+        assert compiler._idle == [worker] and worker.alive
+        assert compiler.submit(Spec(choice=("yes", "no"))).result(60) is not None
+        assert compiler._idle == [worker]
+    finally:
+        compiler.shutdown()
+
+
+@requires_smollm2
+def test_a_compile_whose_waiter_left_before_it_began_keeps_its_worker() -> None:
+    """A request that leaves while its compile waits for a worker to start costs no process: the
+    compile is dropped before it is sent, and the worker stays ready."""
+    import xgrammar
+
+    from ferrylm.model.loaders.model_source import resolve_model
+    from ferrylm.model.structured.grammar_worker import CompileCancelled, CompileWorker, tokenizer_info_json
+    from ferrylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model("smollm2-135m"))
+    info = xgrammar.TokenizerInfo.from_huggingface(tok.hf, vocab_size=len(tok.hf))
+    worker = CompileWorker(tokenizer_info_json(info))
+    try:
+        with pytest.raises(CompileCancelled):
+            worker.compile("regex", "[a-z]{3}", True, 30.0, lambda: True)
+        assert worker.alive
         assert worker.compile("regex", "[a-z]{3}", True, 30.0, lambda: False)
     finally:
         worker.kill()

@@ -13,6 +13,7 @@ import json
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -34,6 +35,10 @@ class CompileCancelled(Exception):
     """Nobody waits for the compile any more; the worker was killed."""
 
 
+class CompileOutOfMemory(Exception):
+    """The compile wanted more memory than the worker's cap (cap_memory)."""
+
+
 def _send(stream: IO[bytes], message: Any) -> None:
     data = json.dumps(message).encode()
     stream.write(len(data).to_bytes(8, "little") + data)
@@ -47,9 +52,10 @@ def _recv(stream: IO[bytes]) -> Any:
     return json.loads(stream.read(int.from_bytes(head, "little")))
 
 
-def _serve() -> None:
-    """The child (`python -m ferrylm.model.structured.grammar_worker`): the tokenizer info first, then each
-    [kind, payload, any_whitespace] → ["ok", serialized grammar] or ["error", message]."""
+def _serve(memory_bytes: int) -> None:
+    """The child (`python -m ferrylm.model.structured.grammar_worker MEMORY_BYTES`): the tokenizer info
+    first, then each [kind, payload, any_whitespace] → ["ok", serialized grammar], ["error", message]
+    or ["memory", ""] (the compile wanted more than `memory_bytes` beyond the ready worker's)."""
     yield_cpu_to_serving()
     import xgrammar
 
@@ -59,6 +65,7 @@ def _serve() -> None:
     except (EOFError, ValueError, RuntimeError):
         return  # the parent went away (or killed us) while sending the tokenizer
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    cap_memory(memory_bytes)
     _send(out, "ready")
     while True:
         try:
@@ -68,7 +75,24 @@ def _serve() -> None:
         try:
             _send(out, ["ok", compile_one(compiler, kind, payload, any_whitespace).serialize_json()])
         except Exception as e:  # noqa: BLE001 - every compile error goes back as the request's 400
-            _send(out, ["error", str(e)])
+            # past cap_memory: Python's MemoryError, or xgrammar's C++ std::bad_alloc as its message
+            _send(out, ["memory", ""] if isinstance(e, MemoryError) or "bad_alloc" in str(e) else ["error", str(e)])
+
+
+def cap_memory(memory_bytes: int) -> None:
+    """Let this process's data (heap and private mappings: RLIMIT_DATA) grow by at most `memory_bytes`
+    from now (0: no cap). A compile past it fails with MemoryError. Bounds what one constraint takes
+    from the host: a 120-property schema of regex strings grew a worker by ~850 MB and 1,000 plain
+    string properties by 5 GB (RESULTS, "M3.2 grammar compile memory")."""
+    if memory_bytes <= 0:
+        return
+    import resource
+
+    with open("/proc/self/status") as status:
+        data_kib = next(int(line.split()[1]) for line in status if line.startswith("VmData:"))
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    soft = data_kib * 1024 + memory_bytes
+    resource.setrlimit(resource.RLIMIT_DATA, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 def compile_one(compiler: Any, kind: str, payload: str, any_whitespace: bool) -> Any:
@@ -87,12 +111,12 @@ class CompileWorker:
     returns once the child has the tokenizer (the pipe takes it as the child reads); `wait_ready`
     waits for the child's "ready"."""
 
-    def __init__(self, tokenizer_info_json: str):
-        self._proc = subprocess.Popen(background_python("ferrylm.model.structured.grammar_worker"),
+    def __init__(self, tokenizer_info_json: str, memory_bytes: int = 0):
+        self._proc = subprocess.Popen(background_python("ferrylm.model.structured.grammar_worker", str(memory_bytes)),
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._in, self._out = self._proc.stdin, self._proc.stdout
-        self._ready = False
+        self._ready = self._killed = False
         try:
             _send(self._in, tokenizer_info_json)
         except OSError:
@@ -117,17 +141,20 @@ class CompileWorker:
 
     @property
     def alive(self) -> bool:
-        return self._proc.poll() is None
+        return not self._killed and self._proc.poll() is None
 
     def compile(self, kind: str, payload: str, any_whitespace: bool, budget_s: float,
                 cancelled: Callable[[], bool]) -> str:
         """The serialized compiled grammar; ValueError for a grammar xgrammar refuses; CompileTimeout
-        or CompileCancelled (the worker is dead then) when the budget ran out or nobody waits. The
+        or CompileCancelled (the worker is dead then, unless nobody waited before the compile began)
+        when the budget ran out or nobody waits; CompileOutOfMemory past the worker's memory cap. The
         budget starts once the worker is ready."""
         try:
             self.wait_ready()
         except WorkerStartFailed:
             raise CompileTimeout() from None
+        if cancelled():  # its waiter left while a worker started: this one stays ready for the next
+            raise CompileCancelled()
         try:
             _send(self._in, [kind, payload, any_whitespace])
         except OSError:
@@ -146,16 +173,25 @@ class CompileWorker:
         except (EOFError, ValueError):
             self.kill()
             raise CompileTimeout() from None
+        if status == "memory":
+            raise CompileOutOfMemory()
         if status == "error":
             raise ValueError(value)
         return value
 
     def kill(self) -> None:
-        if self.alive:
+        """SIGKILL the child and reap it in the background: under SCHED_IDLE on a busy machine a
+        killed child can wait seconds for the CPU time its exit needs (freeing its memory)."""
+        self._killed = True
+        if self._proc.poll() is None:
             self._proc.kill()
-        self._proc.wait(5)
-        self._in.close()
-        self._out.close()
+        for stream in (self._in, self._out):
+            try:
+                stream.close()
+            except OSError:
+                pass  # buffered bytes to a dead child
+        if self._proc.poll() is None:
+            threading.Thread(target=self._proc.wait, name="ferrylm-grammar-reap", daemon=True).start()
 
 
 def tokenizer_info_json(info: Any) -> str:
@@ -166,4 +202,4 @@ def tokenizer_info_json(info: Any) -> str:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[1]) if len(sys.argv) > 1 else 0)

@@ -25,6 +25,7 @@ from ferrylm.model.structured.grammar_finite import has_finite_output
 from ferrylm.model.structured.grammar_worker import (
     STARTUP_TIMEOUT_S,
     CompileCancelled,
+    CompileOutOfMemory,
     CompileTimeout,
     CompileWorker,
     WorkerStartFailed,
@@ -59,10 +60,12 @@ def _clean(error: Exception) -> str:
 @dataclass(frozen=True)
 class GrammarLimits:
     """How much compiling one tenant's constraint may cost everyone: a wall-clock budget per compile
-    (past it the compile is killed and the request gets a 400), compiles running at once (each in
-    its own low-priority process), the compiled-grammar cache in bytes, and the schema limits."""
+    (past it the compile is killed and the request gets a 400), the memory one compile may take (past
+    it, a 400 too), compiles running at once (each in its own low-priority process), the
+    compiled-grammar cache in bytes, and the schema limits."""
 
     compile_timeout_s: float = 5.0  # --grammar-compile-timeout
+    compile_memory_bytes: int = 512 << 20  # --grammar-compile-memory (MiB there); 0: no cap
     max_concurrent: int = 2
     max_cache_bytes: int = 256 << 20
     max_cached: int = 256
@@ -190,6 +193,10 @@ class GrammarCompiler:
             raise StructuredOutputError(f"Invalid '{param}': compiling it took longer than the "
                                         f"{self.limits.compile_timeout_s:g} s budget; simplify the constraint",
                                         param) from None
+        except CompileOutOfMemory:
+            raise StructuredOutputError(f"Invalid '{param}': compiling it needed more than the "
+                                        f"{self.limits.compile_memory_bytes >> 20} MiB memory budget; simplify the "
+                                        "constraint", param) from None
         except CompileCancelled:
             raise StructuredOutputError(f"'{param}': the compile was stopped (nobody waits for it)", param) from None
         except WorkerStartFailed:
@@ -209,7 +216,7 @@ class GrammarCompiler:
             if not self._idle and self._starting:
                 self._ready.wait_for(lambda: self._idle or not self._starting, timeout=STARTUP_TIMEOUT_S)
             worker = self._idle.pop() if self._idle else None
-        worker = worker or CompileWorker(self._info_json)
+        worker = worker or CompileWorker(self._info_json, self.limits.compile_memory_bytes)
         try:
             return worker.compile(kind, payload, any_whitespace, self.limits.compile_timeout_s, job.cancelled)
         finally:
@@ -226,7 +233,7 @@ class GrammarCompiler:
         """A ready worker into the idle list (at most max_concurrent idle; none after shutdown)."""
         worker = None
         try:
-            worker = CompileWorker(self._info_json)
+            worker = CompileWorker(self._info_json, self.limits.compile_memory_bytes)
             worker.wait_ready()
         except (OSError, WorkerStartFailed):
             log.warning("a spare grammar compile worker failed to start; the next compile starts one")
