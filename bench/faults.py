@@ -8,6 +8,10 @@ check reads /proc/stat: the share of busy CPU time used by processes other than 
 and its servers (the servers are children; ~0 means a quiet machine).
 
     .venv/bin/python bench/faults.py [--min-requests 10000] [--scale 25] [--only hostile ...] [--write]
+
+The hostile-tenant round serves with serve's default decode path (compiled graphs, waited for after
+start-up; --hostile-eager: the tests' --enforce-eager instead), since its victim ITL ratio is a goal
+for what users run; the other rounds run eagerly, as the tests do.
 """
 
 from __future__ import annotations
@@ -75,10 +79,11 @@ def fleet_round(campaign: Campaign, scale: int, workdir: Path) -> None:
 
 
 def hostile_tenant_round(campaign: Campaign, scale: int, workdir: Path, attacks: list[str] | None = None,
-                         server_args: tuple[str, ...] = ()) -> None:
+                         server_args: tuple[str, ...] = (), eager: bool = False) -> None:
     """The hostile-tenant scenario; `attacks` (--attacks): also one run per listed attack alone;
-    `server_args` (--hostile-server-args): added to the scenario's server command line."""
-    server, keys = hostile_tenant.start(workdir, server_args)
+    `server_args` (--hostile-server-args): added to the scenario's server command line; `eager`
+    (--hostile-eager): the eager decode step instead of serve's compiled default."""
+    server, keys = hostile_tenant.start(workdir, server_args, compiled=not eager)
     try:
         campaign.add(asyncio.run(hostile_tenant.hostile_tenant(server, keys, max(1, scale // 4))))
         for attack in attacks or ():
@@ -126,6 +131,8 @@ def main() -> None:
                     help="hostile round: also measure each of these attacks alone (the ablation)")
     ap.add_argument("--hostile-server-args", default="",
                     help="hostile round: extra `ferrylm serve` flags, e.g. '--long-prefill-token-threshold 32'")
+    ap.add_argument("--hostile-eager", action="store_true",
+                    help="hostile round: the eager decode step (the tests' setting) instead of serve's compiled one")
     args = ap.parse_args()
     kinds = args.only or list(ROUNDS)
 
@@ -138,7 +145,7 @@ def main() -> None:
             for kind in kinds:
                 if kind == "hostile":
                     hostile_tenant_round(campaign, args.scale, workdir, args.attacks,
-                                         tuple(args.hostile_server_args.split()))
+                                         tuple(args.hostile_server_args.split()), args.hostile_eager)
                 elif kind != "startup" or rounds == 0:
                     ROUNDS[kind](campaign, args.scale, rounds, workdir)
             rounds += 1

@@ -427,6 +427,16 @@ async def debug_kv(request: Request) -> dict:
             "invariants": "ok" if check is not None else "unchecked"}
 
 
+async def debug_runner(request: Request) -> dict:
+    """Test hook (FERRYLM_TEST_HOOKS=1 only): whether decode steps run the compiled graphs yet (they
+    compile or load in the background after start-up), so a benchmark can wait for the serving path
+    it means to measure."""
+    engine = _hooked_engine(request)
+    executor = getattr(getattr(engine, "engine", None), "executor", None)
+    runner = getattr(executor, "runner", executor)  # a tensor-parallel executor wraps rank 0's runner
+    return {"decode_compiled": getattr(runner, "compiled", None) is not None}
+
+
 def _inline_refs(node: Any, defs: dict) -> Any:
     """`node` with every `{"$ref": "#/$defs/X", ...}` replaced by X itself (plus the siblings)."""
     if isinstance(node, list):
@@ -524,4 +534,5 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     if config.test_hooks:
         app.add_api_route("/debug/stall", debug_stall, methods=["POST"])
         app.add_api_route("/debug/kv", debug_kv, methods=["GET"])
+        app.add_api_route("/debug/runner", debug_runner, methods=["GET"])
     return app

@@ -9,13 +9,17 @@ Reported on the ledger: every victim request must complete (a victim request tha
 explicit errors or answers, never a 5xx; no KV block leaks. The victim's inter-token latency p99
 under attack against its baseline goes to the notes (measured, not asserted: `make faults` records
 it in bench/RESULTS.md), as measured and without the gaps across which the measuring client itself
-was not running (ClientStalls)."""
+was not running (ClientStalls). The attacker is another client: its own process (AttackerProcess), so
+its requests are not built and parsed between the victim's token arrivals."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import shutil
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +32,7 @@ from tests.faults.client import MODEL, Result, chat_body, send
 from tests.faults.ledger import Ledger
 from tests.faults.scenarios import HOOKS, bearer, leaked_blocks
 
+REPO = Path(__file__).resolve().parents[2]
 TRANSFER_KEY = "kv-transfer-secret-of-the-replicas"
 ARGS = ("--model", MODEL, "--dtype", "float32", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
         "--kv-role", "both", "--kv-transfer-key", TRANSFER_KEY, "--grammar-compile-timeout", "5",
@@ -44,12 +49,21 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def start(workdir: Path, extra_args: tuple[str, ...] = ()) -> tuple[ServerProcess, dict[str, str]]:
-    """The scenario's server (ARGS plus `extra_args`, e.g. a scheduler setting) and the two tenants' keys."""
+def start(workdir: Path, extra_args: tuple[str, ...] = (), compiled: bool = False,
+          compile_timeout_s: float = 900.0) -> tuple[ServerProcess, dict[str, str]]:
+    """The scenario's server (ARGS plus `extra_args`, e.g. a scheduler setting) and the two tenants' keys.
+    `compiled`: serve's default decode path (compiled graphs, waited for: they compile or load in the
+    background after start-up) instead of the tests' --enforce-eager."""
     db = f"sqlite:///{workdir / 'hostile.db'}"
     keys = make_keys(db, {"victim": {}, "attacker": {}})
-    server = ServerProcess(*ARGS, *extra_args, "--require-auth", "--state-db", db, env=HOOKS)
+    server = ServerProcess(*ARGS, *extra_args, "--require-auth", "--state-db", db, env=HOOKS, eager=not compiled)
     server.wait_ready()
+    deadline = time.monotonic() + compile_timeout_s
+    while compiled and not httpx.get(server.url("/debug/runner"), timeout=10).json()["decode_compiled"]:
+        if time.monotonic() > deadline or server.proc.poll() is not None:
+            server.stop()
+            raise RuntimeError(f"no decode graphs in use after {compile_timeout_s:.0f} s:\n{server.log_tail()}")
+        time.sleep(1.0)
     return server, keys
 
 
@@ -133,15 +147,51 @@ def _attacks(http: httpx.AsyncClient, short: httpx.AsyncClient, key: str, i: int
     return [coro for kind in kinds for coro in by_kind[kind]()]
 
 
-async def _attacker(server: ServerProcess, key: str, stop: asyncio.Event, kinds: tuple[str, ...]) -> list[Result]:
+async def attack_until(base_url: str, key: str, stop: asyncio.Event, kinds: tuple[str, ...]) -> list[Result]:
+    """Rounds of the attacker's requests of `kinds` until `stop` (hostile_attacker.py runs this in its
+    own process)."""
     results: list[Result] = []
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http, \
-            httpx.AsyncClient(base_url=server.base_url, timeout=ABANDON_S) as short:
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as http, \
+            httpx.AsyncClient(base_url=base_url, timeout=ABANDON_S) as short:
         i = 0
         while not stop.is_set():
             results.extend(await asyncio.gather(*_attacks(http, short, key, i, kinds)))
             i += 1
     return results
+
+
+def attacker_priority() -> list[str]:
+    """The command prefix the attacker's client runs under (nice +19)."""
+    nice = shutil.which("nice")
+    return [nice, "-n", "19"] if nice else []
+
+
+class AttackerProcess:
+    """The attacker's client in its own process (hostile_attacker.py) at nice +19: on a deployment a
+    tenant's client runs on its own machine, here it shares this host's cores with the server, so its
+    own CPU (building, sending, parsing) yields to the server's; the server's handling of its requests
+    runs at the server's priority, which is what is measured. `start` returns once its first requests
+    are being sent, `stop` ends the attack and returns every request's Result."""
+
+    def __init__(self, base_url: str, key: str, kinds: tuple[str, ...]):
+        self._argv = (base_url, key, *kinds)
+        self._proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self._proc = await asyncio.create_subprocess_exec(
+            *attacker_priority(), sys.executable, "-m", "tests.faults.hostile_attacker", *self._argv, cwd=REPO,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        assert self._proc.stdout is not None
+        line = await self._proc.stdout.readline()
+        if line.strip() != b"attacking":
+            raise RuntimeError(f"the attacker process did not start: {line!r}")
+
+    async def stop(self) -> list[Result]:
+        assert self._proc is not None
+        out, _ = await self._proc.communicate(b"stop\n")
+        if self._proc.returncode != 0:
+            raise RuntimeError(f"the attacker process failed ({self._proc.returncode})")
+        return [Result(**json.loads(line)) for line in out.splitlines() if line.strip()]
 
 
 def _median(values: list[float]) -> float:
@@ -180,12 +230,11 @@ async def hostile_tenant(server: ServerProcess, keys: dict[str, str], scale: int
                     await leaked_blocks(server)
                     await asyncio.sleep(SETTLE_S)
                 baseline += [await _victim_round(http, keys["victim"], quiet) for _ in range(block)]
-                stop = asyncio.Event()
-                attacker = asyncio.create_task(_attacker(server, keys["attacker"], stop, attacks))
+                attacker = AttackerProcess(server.base_url, keys["attacker"], attacks)
+                await attacker.start()
                 await asyncio.sleep(0.5)  # the attack is under way before the victim's first request
                 attacked += [await _victim_round(http, keys["victim"], attacked_gaps) for _ in range(block)]
-                stop.set()
-                attacker_results += await attacker
+                attacker_results += await attacker.stop()
         finally:
             stalls.stop()
             gc.unfreeze()

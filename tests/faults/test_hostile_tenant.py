@@ -4,6 +4,8 @@ leaks, and each kind of attack was really answered (not skipped)."""
 
 from __future__ import annotations
 
+import httpx
+
 from tests.faults import hostile_tenant
 from tests.faults.scenarios import run_and_check
 
@@ -20,5 +22,7 @@ def test_a_hostile_tenant_cannot_fail_slow_or_change_a_steady_one(tmp_path, faul
         assert "completed" in answers, answers  # its tool-forcing and scoring requests were served
         assert "victim ITL p99" in ledger.notes[0]
         assert any("without the gaps the client stalled across" in n for n in ledger.notes)
+        # the tests' eager server: bench/faults.py's round waits on this hook for serve's compiled default
+        assert httpx.get(server.url("/debug/runner"), timeout=10).json() == {"decode_compiled": False}
     finally:
         assert server.stop() == 0, server.log_tail()
