@@ -84,12 +84,15 @@ def cap_memory(memory_bytes: int) -> None:
     from now (0: no cap). A compile past it fails with MemoryError. Bounds what one constraint takes
     from the host: a 120-property schema of regex strings grew a worker by ~850 MB and 1,000 plain
     string properties by 5 GB (RESULTS, "M3.2 grammar compile memory")."""
-    if memory_bytes <= 0:
-        return
+    if memory_bytes <= 0 or not sys.platform.startswith("linux"):
+        return  # elsewhere RLIMIT_DATA does not cover mmap'd memory (or there is no /proc to read)
     import resource
 
-    with open("/proc/self/status") as status:
-        data_kib = next(int(line.split()[1]) for line in status if line.startswith("VmData:"))
+    try:
+        with open("/proc/self/status") as status:
+            data_kib = next(int(line.split()[1]) for line in status if line.startswith("VmData:"))
+    except (OSError, StopIteration, ValueError):
+        return
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     soft = data_kib * 1024 + memory_bytes
     resource.setrlimit(resource.RLIMIT_DATA, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
