@@ -123,7 +123,7 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
 
 
 def build_grammar_compiler(tokenizer: Tokenizer, vocab_size: int, compile_timeout_s: float,
-                           compile_memory_mb: int = 512) -> Any:
+                           compile_memory_mb: int) -> Any:
     """The structured-output compiler for `tokenizer` (model/structured/structured_output.GrammarCompiler), or
     None for a tokenizer without a Hugging Face twin. Nothing is compiled until a request asks."""
     hf = getattr(tokenizer, "hf", None)
