@@ -42,7 +42,7 @@ VICTIM_PROMPTS = ["Describe a harbour at dawn.", "Name three rivers of Europe.",
 VICTIM_TOKENS = 32
 ABANDON_S = 2.0
 BLOCK = 3  # victim rounds in a row, quiet or attacked (an attacker round takes ~2 s: a bomb is abandoned)
-SETTLE_S = 5.0  # a compile worker killed by the attack is replaced in ~4-5 s (grammar_worker.py)
+SETTLE_S = 5.0  # the attack's last requests end, a killed compile worker is replaced (forked on Linux: ms)
 STALL_S = 0.05  # the measuring client's event loop ran this much late: its gaps then are its own
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

@@ -203,7 +203,7 @@ def test_a_compile_worker_runs_below_the_serving_threads() -> None:
 
     tok = Tokenizer.load(resolve_model("smollm2-135m"))
     info = xgrammar.TokenizerInfo.from_huggingface(tok.hf, vocab_size=len(tok.hf))
-    worker = CompileWorker(tokenizer_info_json(info))
+    worker = CompileWorker.spawn(tokenizer_info_json(info))
     try:
         worker.wait_ready()
         assert os.getpriority(os.PRIO_PROCESS, worker.pid) == NICENESS
@@ -256,7 +256,7 @@ def test_a_compile_whose_waiter_left_before_it_began_keeps_its_worker() -> None:
 
     tok = Tokenizer.load(resolve_model("smollm2-135m"))
     info = xgrammar.TokenizerInfo.from_huggingface(tok.hf, vocab_size=len(tok.hf))
-    worker = CompileWorker(tokenizer_info_json(info))
+    worker = CompileWorker.spawn(tokenizer_info_json(info))
     try:
         with pytest.raises(CompileCancelled):
             worker.compile("regex", "[a-z]{3}", True, 30.0, lambda: True)

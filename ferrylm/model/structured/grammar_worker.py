@@ -1,11 +1,13 @@
 """A grammar compile in a child process, so it can be stopped: xgrammar's compile cannot be
 interrupted inside a thread, and a schema built to compile for minutes would hold the compiler (and
 a core) for everyone. The child runs below every serving thread (background_priority.py: decode
-steps come first), compiles
-one constraint at a time and sends back xgrammar's serialized CompiledGrammar; the parent kills it
-when the compile's budget runs out or its last waiter left, and starts a fresh one for the next.
-A worker says "ready" once xgrammar is imported and the tokenizer loaded (~4-5 s): a compile's
-budget is counted from then, so a slow start never turns a small schema into a timeout."""
+steps come first), compiles one constraint at a time and sends back xgrammar's serialized
+CompiledGrammar; the parent kills it when the compile's budget runs out or its last waiter left,
+and another takes its place for the next. On Linux children are forked from a process that has
+xgrammar imported and the tokenizer loaded (grammar_fork_server.py: ready in milliseconds);
+elsewhere each is started afresh (`CompileWorker.spawn`) and says "ready" once it has imported
+xgrammar and loaded the tokenizer (~4-5 s). A compile's budget is counted from "ready", so a slow
+start never turns a small schema into a timeout."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ferrylm.model.background_priority import background_python, yield_cpu_to_serving
 
@@ -53,9 +55,8 @@ def _recv(stream: IO[bytes]) -> Any:
 
 
 def _serve(memory_bytes: int) -> None:
-    """The child (`python -m ferrylm.model.structured.grammar_worker MEMORY_BYTES`): the tokenizer info
-    first, then each [kind, payload, any_whitespace] → ["ok", serialized grammar], ["error", message]
-    or ["memory", ""] (the compile wanted more than `memory_bytes` beyond the ready worker's)."""
+    """A worker started afresh (`python -m ferrylm.model.structured.grammar_worker MEMORY_BYTES`): the
+    tokenizer info first, then `serve_compiles`."""
     yield_cpu_to_serving()
     import xgrammar
 
@@ -64,6 +65,15 @@ def _serve(memory_bytes: int) -> None:
         info = xgrammar.TokenizerInfo.deserialize_json(_recv(inp))
     except (EOFError, ValueError, RuntimeError):
         return  # the parent went away (or killed us) while sending the tokenizer
+    serve_compiles(info, memory_bytes, inp, out)
+
+
+def serve_compiles(info: Any, memory_bytes: int, inp: IO[bytes], out: IO[bytes]) -> None:
+    """A worker's life once it has the tokenizer (xgrammar.TokenizerInfo): "ready", then each
+    [kind, payload, any_whitespace] → ["ok", serialized grammar], ["error", message] or ["memory", ""]
+    (the compile wanted more than `memory_bytes` beyond the ready worker's), until `inp` ends."""
+    import xgrammar
+
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     cap_memory(memory_bytes)
     _send(out, "ready")
@@ -108,22 +118,41 @@ def compile_one(compiler: Any, kind: str, payload: str, any_whitespace: bool) ->
     return compiler.compile_grammar(payload)
 
 
-class CompileWorker:
-    """One child process (a plain subprocess: no re-import of the caller's __main__, as
-    multiprocessing's spawn would do); `compile` is called by one thread at a time. The constructor
-    returns once the child has the tokenizer (the pipe takes it as the child reads); `wait_ready`
-    waits for the child's "ready"."""
+class WorkerProcess(Protocol):
+    """What CompileWorker needs of its child: subprocess.Popen's, or a forked child's seen through
+    a pidfd (grammar_fork_server.ForkedProcess)."""
 
-    def __init__(self, tokenizer_info_json: str, memory_bytes: int = 0):
-        self._proc = subprocess.Popen(background_python("ferrylm.model.structured.grammar_worker", str(memory_bytes)),
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._in, self._out = self._proc.stdin, self._proc.stdout
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self) -> int | None: ...
+
+
+class CompileWorker:
+    """One child process, talked to over two byte streams; `compile` is called by one thread at a
+    time. `wait_ready` waits for the child's "ready"."""
+
+    def __init__(self, process: WorkerProcess, to_child: IO[bytes], from_child: IO[bytes]):
+        self._proc, self._in, self._out = process, to_child, from_child
         self._ready = self._killed = False
+
+    @classmethod
+    def spawn(cls, tokenizer_info_json: str, memory_bytes: int = 0) -> CompileWorker:
+        """A worker started afresh (a plain subprocess: no re-import of the caller's __main__, as
+        multiprocessing's spawn would do). Returns once the child has the tokenizer (the pipe takes
+        it as the child reads)."""
+        proc = subprocess.Popen(background_python("ferrylm.model.structured.grammar_worker", str(memory_bytes)),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert proc.stdin is not None and proc.stdout is not None
+        worker = cls(proc, proc.stdin, proc.stdout)
         try:
-            _send(self._in, tokenizer_info_json)
+            _send(proc.stdin, tokenizer_info_json)
         except OSError:
             pass  # it died at start: wait_ready says so
+        return worker
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Block until the child can compile; WorkerStartFailed (the child killed) if it cannot."""

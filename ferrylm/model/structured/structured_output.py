@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ferrylm.model.structured import grammar_fork_server
 from ferrylm.model.structured.grammar_finite import has_finite_output
 from ferrylm.model.structured.grammar_worker import (
     STARTUP_TIMEOUT_S,
@@ -102,6 +103,7 @@ class GrammarCompiler:
         self._info: Any = None  # xgrammar.TokenizerInfo, built at the first compile
         self._info_json = ""
         self._idle: list[CompileWorker] = []  # started and ready, each compiling nothing
+        self._forks: grammar_fork_server.ForkServer | None = None  # where workers come from on Linux
         self._closed = False
         self._starting = 0  # spares being started (_start_spare)
         self._ready = threading.Condition(self._lock)  # notified when a worker becomes idle
@@ -216,7 +218,7 @@ class GrammarCompiler:
             if not self._idle and self._starting:
                 self._ready.wait_for(lambda: self._idle or not self._starting, timeout=STARTUP_TIMEOUT_S)
             worker = self._idle.pop() if self._idle else None
-        worker = worker or CompileWorker(self._info_json, self.limits.compile_memory_bytes)
+        worker = worker or self._new_worker()
         try:
             return worker.compile(kind, payload, any_whitespace, self.limits.compile_timeout_s, job.cancelled)
         finally:
@@ -229,11 +231,25 @@ class GrammarCompiler:
                     self._starting += 1
                 threading.Thread(target=self._start_spare, name="ferrylm-grammar-spare", daemon=True).start()
 
+    def _new_worker(self) -> CompileWorker:
+        """A worker forked from the fork server where the OS allows (milliseconds once that server is
+        up), else one started afresh (seconds); WorkerStartFailed if neither can be had."""
+        with self._lock:
+            if self._closed:
+                raise WorkerStartFailed()
+        if not grammar_fork_server.supported():
+            return CompileWorker.spawn(self._info_json, self.limits.compile_memory_bytes)
+        with self._lock:
+            if self._forks is None:
+                self._forks = grammar_fork_server.ForkServer(self._info_json, self.limits.compile_memory_bytes)
+            forks = self._forks
+        return forks.fork()
+
     def _start_spare(self) -> None:
         """A ready worker into the idle list (at most max_concurrent idle; none after shutdown)."""
         worker = None
         try:
-            worker = CompileWorker(self._info_json, self.limits.compile_memory_bytes)
+            worker = self._new_worker()
             worker.wait_ready()
         except (OSError, WorkerStartFailed):
             log.warning("a spare grammar compile worker failed to start; the next compile starts one")
@@ -288,8 +304,11 @@ class GrammarCompiler:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            forks, self._forks = self._forks, None
         for worker in idle:
             worker.kill()
+        if forks is not None:
+            forks.close()
 
 
 def _accepts_nothing(xgrammar: Any, compiled: Any, vocab_size: int) -> bool:
