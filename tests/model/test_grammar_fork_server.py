@@ -124,3 +124,30 @@ def test_the_compilers_shutdown_ends_the_fork_server_and_idle_workers() -> None:
     assert _gone(server) and _gone(worker.pid)
     with pytest.raises(WorkerStartFailed):
         compiler._new_worker()
+
+
+def test_closing_while_the_fork_server_starts_fails_the_waiting_fork_at_once(info_json: str) -> None:
+    """A fork waiting for the fork server's start (seconds: importing xgrammar) when the compiler shuts
+    down gets WorkerStartFailed then, not after its start-up timeout."""
+    import threading
+
+    forks = grammar_fork_server.ForkServer(info_json, 0)
+    outcome: list[BaseException | None] = []
+
+    def fork() -> None:
+        try:
+            forks.fork(timeout_s=300).kill()
+            outcome.append(None)
+        except WorkerStartFailed as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=fork)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while forks.pid is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    forks.close()
+    waiter.join(60)
+    assert not waiter.is_alive() and len(outcome) == 1 and isinstance(outcome[0], WorkerStartFailed)
+    with pytest.raises(WorkerStartFailed):
+        forks.fork()

@@ -171,8 +171,13 @@ class ForkServer:
         self._proc, self._control, self._ready = None, None, False
 
     def close(self) -> None:
+        """Stop the fork server; a fork waiting for it (its start) fails at once instead of holding
+        the lock until its timeout."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
         with self._lock:
-            self._closed = True
             self._stop()
 
 
@@ -182,6 +187,7 @@ def _serve(memory_bytes: int) -> None:
     worker's end of its channel), answered with the worker's pid. Ends when the serving process
     closes the control socket."""
     yield_cpu_to_serving()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the server's terminal: it ends us, by EOF
     import xgrammar
 
     control = socket.socket(fileno=sys.stdin.fileno())
