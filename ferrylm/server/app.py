@@ -70,6 +70,8 @@ from ferrylm.server.config import ServerConfig
 from ferrylm.server.embeddings import embeddings_shaper
 from ferrylm.server.fanout import Fanout
 from ferrylm.server.health import liveness
+from ferrylm.server.internal_auth import KV_TRANSFER, LORA_ADMIN
+from ferrylm.server.internal_gate import InternalRouteGate
 from ferrylm.server.prompts import check_num_sequences
 from ferrylm.server.reasoning import ReasoningParser, answer_only, closed_in_prompt, for_prompt, parser_for
 from ferrylm.server.request_end import RequestEnd
@@ -482,6 +484,9 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     state = ServerState(config, engine_factory, span_exporter)
     app = FastAPI(title="FerryLM", version=package_version(), lifespan=state.lifespan)
     app.state.ferry = state
+    app.add_middleware(InternalRouteGate, state=state, routes={  # inside RequestIdMiddleware: ids and access logs
+        "/v1/kv/export": KV_TRANSFER, "/v1/kv/import": KV_TRANSFER,
+        "/v1/load_lora_adapter": LORA_ADMIN, "/v1/unload_lora_adapter": LORA_ADMIN})
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=error_responses(401))

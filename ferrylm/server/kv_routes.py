@@ -16,14 +16,14 @@ from ferrylm.http.body import read_json_body, read_raw_body
 from ferrylm.http.errors import APIError, invalid
 from ferrylm.kv_transfer import KVLayoutMismatch
 from ferrylm.sampling_params import SamplingParamsError, check_cache_salt
-from ferrylm.server.internal_auth import require_secret
+from ferrylm.server.internal_auth import KV_TRANSFER, require_secret
 from ferrylm.server.state import ServerState
 
 
 async def _state(request: Request, roles: tuple[str, ...], what: str) -> ServerState:
     """The server state for the transfer credential (401/403 before anything is said about the role)."""
     state: ServerState = request.app.state.ferry
-    await require_secret(request, state, state.config.kv_transfer_key, "KV transfer (replica to replica)")
+    await require_secret(request, state, KV_TRANSFER)
     if state.config.kv_role not in roles:
         raise APIError(404, f"KV {what} is off on this replica: start it with --kv-role {' or '.join(roles)}.",
                        code="not_found", type_="invalid_request_error")

@@ -13,13 +13,13 @@ from ferrylm.engine.adapters import AdapterBusy
 from ferrylm.executor import LoRAError
 from ferrylm.http.body import read_json_body
 from ferrylm.http.errors import APIError, invalid
-from ferrylm.server.internal_auth import require_secret
+from ferrylm.server.internal_auth import LORA_ADMIN, require_secret
 from ferrylm.server.state import ServerState
 
 
 async def _admin(request: Request) -> tuple[ServerState, dict]:
     state: ServerState = request.app.state.ferry
-    await require_secret(request, state, state.config.lora_admin_key, "Loading LoRA adapters")
+    await require_secret(request, state, LORA_ADMIN)
     if state.config.lora_admin_key is None:  # (require_secret let nothing through then)
         raise APIError(404, "Runtime LoRA loading is off: start the server with --enable-lora --lora-admin-key.")
     state.admit()
