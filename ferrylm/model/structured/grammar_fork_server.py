@@ -133,6 +133,7 @@ class ForkServer:
                 process = ForkedProcess(pid)
             except (OSError, EOFError, ValueError, TimeoutError):
                 ours.close()
+                theirs.close()  # not yet handed over when the fork server failed to start
                 self._stop()
                 raise WorkerStartFailed() from None
         to_child, from_child = ours.makefile("wb"), ours.makefile("rb")
