@@ -4,8 +4,9 @@ requests' decode steps suffer while a tenant keeps sending schemas that compile 
     .venv/bin/python bench/compile_budget.py [--rounds 3] [--budget 2.0]
 
 (1) Budget: time from submitting a bomb to its refusal, for budgets 0.5 / 1 / 2 s (goal: within 10%),
-    with a ready worker, and for a second bomb sent as the first is refused (it waits for the
-    killed worker's replacement to start: xgrammar's import and the tokenizer, ~3-4 s here).
+    with a ready worker, and for a second bomb sent as the first is refused (it takes the killed
+    worker's replacement: forked in ~10 ms on Linux, grammar_fork_server.py; a process start of
+    ~2-4 s elsewhere).
 (2) Victim: 4 greedy sequences decode 48 tokens each, step by step in this process; rounds alternate
     quiet and under attack (a thread submitting a new bomb as soon as the last was refused). Reported:
     step latency (ITL) p50/p99 per kind and the ratio (goal: p99 <= 1.2x). Quiet rounds read /proc/stat:

@@ -252,7 +252,8 @@ class GrammarCompiler:
             worker = self._new_worker()
             worker.wait_ready()
         except (OSError, WorkerStartFailed):
-            log.warning("a spare grammar compile worker failed to start; the next compile starts one")
+            if not self._closed:  # after shutdown no worker may start: nothing failed
+                log.warning("a spare grammar compile worker failed to start; the next compile starts one")
             worker = None
         with self._ready:
             self._starting -= 1
