@@ -167,7 +167,8 @@ def attacker_priority() -> list[str]:
 
 
 class AttackerProcess:
-    """The attacker's client in its own process (hostile_attacker.py) at nice +19: on a deployment a
+    """The attacker's client in its own process and session (hostile_attacker.py) at nice +19, its
+    session's scheduling group too: on a deployment a
     tenant's client runs on its own machine, here it shares this host's cores with the server, so its
     own CPU (building, sending, parsing) yields to the server's; the server's handling of its requests
     runs at the server's priority, which is what is measured. `start` returns once its first requests
@@ -180,7 +181,8 @@ class AttackerProcess:
     async def start(self) -> None:
         self._proc = await asyncio.create_subprocess_exec(
             *attacker_priority(), sys.executable, "-m", "tests.faults.hostile_attacker", *self._argv, cwd=REPO,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            start_new_session=True)  # its own scheduling group, lowered (hostile_attacker.lowest_session_priority)
         assert self._proc.stdout is not None
         line = await self._proc.stdout.readline()
         if line.strip() != b"attacking":
