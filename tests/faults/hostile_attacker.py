@@ -16,9 +16,10 @@ import threading
 def lowest_session_priority() -> None:
     """Under Linux's autogroup (on here, and on most desktops) each session is one scheduling group,
     and groups share the CPU before niceness applies inside them: at nice +19 in the measuring
-    client's session this process still took a core from the server's decode step as that whole
-    session's share (bench/RESULTS.md, "M3.2 hostile tenant: the attacker's own session"). It runs in
-    its own session (AttackerProcess), whose group this lowers to nice +19 too."""
+    client's session this process could still take a core from the server's decode step as that
+    whole session's share. It runs in its own session (AttackerProcess), whose group this lowers to
+    nice +19 too (no measurable change in the scenario: bench/RESULTS.md, "M3.2 hostile tenant:
+    grammar workers forked from a ready process")."""
     try:
         with open("/proc/self/autogroup", "w") as group:
             group.write("19")
