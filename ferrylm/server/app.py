@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from ferrylm.engine.async_engine import AsyncEngine
@@ -484,10 +485,6 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     state = ServerState(config, engine_factory, span_exporter)
     app = FastAPI(title="FerryLM", version=package_version(), lifespan=state.lifespan)
     app.state.ferry = state
-    app.add_middleware(InternalRouteGate, state=state, routes={  # inside RequestIdMiddleware: ids and access logs
-        "/v1/kv/export": KV_TRANSFER, "/v1/kv/import": KV_TRANSFER,
-        "/v1/load_lora_adapter": LORA_ADMIN, "/v1/unload_lora_adapter": LORA_ADMIN})
-    app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=error_responses(401))
     generation_errors = error_responses(400, 403, 404, 413, 429, 503)
@@ -524,6 +521,10 @@ def build_app(config: ServerConfig, engine_factory: Callable[[], Engine], span_e
     lora.add_api_route("/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"],
                        response_class=PlainTextResponse)
     app.include_router(lora)
+    internal = {route.path: KV_TRANSFER for route in kv.routes if isinstance(route, APIRoute)} | \
+        {route.path: LORA_ADMIN for route in lora.routes if isinstance(route, APIRoute)}
+    app.add_middleware(InternalRouteGate, state=state, routes=internal)  # added first: inside RequestIdMiddleware
+    app.add_middleware(RequestIdMiddleware)
     tokens = APIRouter(dependencies=[Depends(require_api_key)], responses=error_responses(400, 401, 404, 503))
     tokens.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"], response_model=TokenizeResponse,
                          openapi_extra=json_body_openapi(TokenizeRequest))

@@ -168,10 +168,10 @@ def attacker_priority() -> list[str]:
 
 class AttackerProcess:
     """The attacker's client in its own process and session (hostile_attacker.py) at nice +19, its
-    session's scheduling group too: on a deployment a
-    tenant's client runs on its own machine, here it shares this host's cores with the server, so its
-    own CPU (building, sending, parsing) yields to the server's; the server's handling of its requests
-    runs at the server's priority, which is what is measured. `start` returns once its first requests
+    session's scheduling group too: on a deployment a tenant's client runs on its own machine, here it
+    shares this host's cores with the server, so its own CPU (building, sending, parsing) yields to the
+    server's; the server's handling of its requests runs at the server's priority, which is what is
+    measured. `start` returns once its first requests
     are being sent, `stop` ends the attack and returns every request's Result."""
 
     def __init__(self, base_url: str, key: str, kinds: tuple[str, ...]):

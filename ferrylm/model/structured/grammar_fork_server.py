@@ -29,6 +29,7 @@ from ferrylm.model.structured.grammar_worker import (
     STARTUP_TIMEOUT_S,
     CompileWorker,
     WorkerStartFailed,
+    frame,
     serve_compiles,
 )
 
@@ -48,8 +49,7 @@ def supported() -> bool:
 
 
 def _send(sock: socket.socket, message: Any) -> None:
-    data = json.dumps(message).encode()
-    sock.sendall(len(data).to_bytes(8, "little") + data)
+    sock.sendall(frame(message))
 
 
 def _recv_exact(sock: socket.socket, n: int, timeout_s: float | None) -> bytes:

@@ -41,9 +41,15 @@ class CompileOutOfMemory(Exception):
     """The compile wanted more memory than the worker's cap (cap_memory)."""
 
 
-def _send(stream: IO[bytes], message: Any) -> None:
+def frame(message: Any) -> bytes:
+    """A message on the wire between the serving process and a worker (or the fork server): its
+    JSON's length in 8 little-endian bytes, then the JSON."""
     data = json.dumps(message).encode()
-    stream.write(len(data).to_bytes(8, "little") + data)
+    return len(data).to_bytes(8, "little") + data
+
+
+def _send(stream: IO[bytes], message: Any) -> None:
+    stream.write(frame(message))
     stream.flush()
 
 

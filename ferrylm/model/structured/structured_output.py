@@ -237,13 +237,11 @@ class GrammarCompiler:
         with self._lock:
             if self._closed:
                 raise WorkerStartFailed()
-        if not grammar_fork_server.supported():
-            return CompileWorker.spawn(self._info_json, self.limits.compile_memory_bytes)
-        with self._lock:
-            if self._forks is None:
+            if self._forks is None and grammar_fork_server.supported():
                 self._forks = grammar_fork_server.ForkServer(self._info_json, self.limits.compile_memory_bytes)
             forks = self._forks
-        return forks.fork()
+        return forks.fork() if forks is not None else CompileWorker.spawn(self._info_json,
+                                                                          self.limits.compile_memory_bytes)
 
     def _start_spare(self) -> None:
         """A ready worker into the idle list (at most max_concurrent idle; none after shutdown)."""
