@@ -22,6 +22,7 @@ from ferrylm.engine.adapters import LoRAInfo
 from ferrylm.engine.client import EngineDeadError, ModelInfo
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
+from ferrylm.engine.short_lived_thread import run_in_short_lived_thread
 from ferrylm.kv_transfer import KVBlocks
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import RequestOutput, RequestOutputKind
@@ -42,12 +43,21 @@ class _Add(NamedTuple):
     lora_name: str | None = None
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None) -> None:
+class _Call(NamedTuple):
+    """Work on the engine itself (KV transfer, adapters) that the loop thread runs between steps."""
+
+    work: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None,
+             result: Any = None) -> None:
     """Complete `future` from the engine thread (it may have been cancelled meanwhile)."""
 
     def done() -> None:
         if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(None)
+            future.set_exception(error) if error is not None else future.set_result(result)
 
     loop.call_soon_threadsafe(done)
 
@@ -59,6 +69,11 @@ class AsyncEngine:
     already releases the GIL; a step costs tens of milliseconds, the hand-off microseconds.
     Callers never take the engine lock: adds and aborts are queued and applied by the loop thread
     between steps (as vLLM's engine core does), so the event loop never waits for a step.
+
+    Only the loop thread runs the model's torch work once it started (KV transfer and adapter loads
+    too, as _Call commands): every thread that runs a parallel region keeps an OpenMP pool for its
+    life, and with more pooled threads than CPUs libgomp stops spinning between regions, so each of a
+    decode step's hundreds of regions sleeps and wakes its threads (short_lived_thread.py).
     """
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.5):
@@ -66,7 +81,7 @@ class AsyncEngine:
         self.model_info = ModelInfo(engine.config.model, engine.tokenizer, engine.vocab_size, engine.max_model_len,
                                     engine.config.cache.block_size)
         self._lock = threading.Lock()  # held by the loop around each step; for tests and tools
-        self._commands: collections.deque[_Add | str] = collections.deque()  # adds and abort ids, in order
+        self._commands: collections.deque[_Add | _Call | str] = collections.deque()  # in arrival order
         self._pending_lock = threading.Lock()  # guards only the counters below
         self._pending_adds = 0
         self._pending_tokens = 0
@@ -77,6 +92,7 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # by internal key
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
+        self._loop_ended = False
         self._idle_wait_s = idle_wait_s
         self._stall_until = 0.0
         self.heartbeat = time.monotonic()
@@ -197,19 +213,18 @@ class AsyncEngine:
 
     async def export_prefix_kv(self, token_ids: list[int], cache_salt: str | None = None) -> bytes:
         """kv_transfer wire bytes of the cached full blocks of `token_ids` (taken between steps)."""
-        kv = await asyncio.to_thread(self._between_steps,
-                                     lambda: self.engine.export_prefix_kv(token_ids, cache_salt))
-        return await asyncio.to_thread(kv.to_bytes)
+        kv = await self._between_steps(lambda: self.engine.export_prefix_kv(token_ids, cache_salt))
+        return await run_in_short_lived_thread(kv.to_bytes)
 
     async def import_prefix_kv(self, body: bytes) -> int:
         """Cache the blocks of a kv_transfer body here (between steps); the number written. Raises
         ValueError for a bad body or hashes, kv_transfer.KVLayoutMismatch for another layout."""
-        kv = await asyncio.to_thread(KVBlocks.from_bytes, body)
-        return await asyncio.to_thread(self._between_steps, lambda: self.engine.import_prefix_kv(kv))
+        kv = await run_in_short_lived_thread(lambda: KVBlocks.from_bytes(body))
+        return await self._between_steps(lambda: self.engine.import_prefix_kv(kv))
 
     async def load_lora(self, name: str, path: str) -> LoRAInfo:
         """Load (or replace) the adapter `name` between steps; raises LoRAError / AdapterBusy."""
-        return await asyncio.to_thread(self._between_steps, lambda: self._restat(self.engine.adapters.add(name, path)))
+        return await self._between_steps(lambda: self._restat(self.engine.adapters.add(name, path)))
 
     async def unload_lora(self, name: str) -> None:
         """Forget `name` between steps; KeyError if not loaded, AdapterBusy while its requests run."""
@@ -217,7 +232,7 @@ class AsyncEngine:
             self.engine.adapters.remove(name)
             self._restat(None)
 
-        await asyncio.to_thread(self._between_steps, unload)
+        await self._between_steps(unload)
 
     def _restat(self, result: LoRAInfo | None) -> LoRAInfo | None:
         """`result`, once the stats snapshot is retaken (else an idle loop leaves /load's adapters stale)."""
@@ -227,12 +242,34 @@ class AsyncEngine:
     def lora_adapters(self) -> list[LoRAInfo]:
         return self.engine.adapters.list()
 
-    def _between_steps(self, work: Callable[[], Any]) -> Any:
-        """Run `work` on the caller's thread while the loop is between steps (it holds the lock in one)."""
+    async def _between_steps(self, work: Callable[[], Any]) -> Any:
+        """`work`'s result, run by the loop thread between two steps (before the loop starts: on a
+        short-lived thread, under the lock)."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}")
-        with self._lock:
-            return work()
+        if self._thread is None:
+            def locked() -> Any:
+                with self._lock:
+                    return work()
+            return await run_in_short_lived_thread(locked)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.append(_Call(work, loop, done))
+        self._wake.set()
+        if self._loop_ended:  # the loop may have drained its commands before this one arrived
+            self._fail_calls()
+        return await done
+
+    def _fail_calls(self) -> None:
+        """Fail every queued _Call: the loop has ended and will not run them."""
+        error = EngineDeadError(f"engine loop not running: {self.error!r}")
+        for command in list(self._commands):
+            if isinstance(command, _Call):
+                try:
+                    self._commands.remove(command)
+                except ValueError:
+                    continue  # the other side took it
+                _resolve(command.loop, command.done, error)
 
     async def prepare_structured_output(self, spec: StructuredOutputsParams) -> None:
         """Wait for the constraint's grammar (compiled on the compiler's worker thread, cached, so the
@@ -278,6 +315,14 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver([out])
                 continue
+            if isinstance(command, _Call):
+                try:
+                    result = command.work()
+                except Exception as e:  # noqa: BLE001 - the caller's error (a bad import, a busy adapter)
+                    _resolve(command.loop, command.done, e)
+                else:
+                    _resolve(command.loop, command.done, None, result)
+                continue
             self._count_pending(command, -1)
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
@@ -314,6 +359,11 @@ class AsyncEngine:
                 command = self._commands.popleft()
                 if isinstance(command, _Add):
                     _resolve(command.loop, command.admitted, EngineDeadError(f"engine loop died: {e!r}"))
+                elif isinstance(command, _Call):
+                    _resolve(command.loop, command.done, EngineDeadError(f"engine loop died: {e!r}"))
+        finally:
+            self._loop_ended = True
+            self._fail_calls()
 
     def _fail_if_a_rank_died(self) -> None:
         """Idle, a tensor-parallel engine still checks its ranks: one that exited fails the loop now

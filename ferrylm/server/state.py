@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from ferrylm.engine.async_engine import AsyncEngine
 from ferrylm.engine.engine import Engine
+from ferrylm.engine.short_lived_thread import run_in_short_lived_thread
 from ferrylm.http.drain import DrainController
 from ferrylm.http.errors import APIError, engine_dead, model_not_found
 from ferrylm.load_report import LoadReport
@@ -76,7 +77,8 @@ class ServerState:
     async def _load(self) -> None:
         start = time.monotonic()
         try:
-            engine = await asyncio.to_thread(self._engine_factory)
+            # not asyncio.to_thread: its worker would keep an OpenMP pool that slows every decode step
+            engine = await run_in_short_lived_thread(self._engine_factory, name="ferrylm-load")
             self.engine = async_engine = AsyncEngine(engine)
             async_engine.start()
             for name, path in self.config.lora_modules:  # --lora-modules: a bad adapter fails the start

@@ -165,3 +165,32 @@ def test_crash_fails_every_stream_and_later_adds(engine):
 def test_model_info_comes_from_the_engine(engine):
     info = engine.model_info
     assert (info.model, info.vocab_size, info.max_model_len, info.block_size) == ("fake", 100, 64, 16)
+
+
+def test_engine_work_runs_on_the_loop_thread_and_fails_cleanly_once_it_ended():
+    """KV transfer and adapter work (_between_steps) runs on the loop thread, the one thread with an
+    OpenMP team (short_lived_thread.py); its errors reach the caller, the loop keeps going, and a
+    call after the loop ended fails instead of waiting forever."""
+    import threading
+
+    ae = AsyncEngine(FakeEngine(), idle_wait_s=0.01)
+
+    async def run():
+        before = await ae._between_steps(threading.current_thread)  # not started: a thread that ended
+        before.join(5)
+        assert before is not threading.main_thread() and not before.is_alive()
+        ae.start()
+        assert await ae._between_steps(threading.current_thread) is ae._thread
+
+        def bad():
+            raise ValueError("bad import")
+
+        with pytest.raises(ValueError, match="bad import"):
+            await ae._between_steps(bad)
+        s = await ae.add_request("after", [1], SamplingParams(max_tokens=2))
+        assert len([o async for o in s]) == 2  # the loop survived the failed call
+        ae.shutdown()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(ae._between_steps(lambda: 1), 5)
+
+    asyncio.run(run())
