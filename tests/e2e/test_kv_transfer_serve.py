@@ -6,6 +6,9 @@ transfer credential (a client's API key gets 403, no key 401)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -56,6 +59,39 @@ def test_decode_replica_continues_from_the_prefill_replicas_blocks(replicas, llm
     assert reply.choices[0].message.content == expected.outputs[0].text
     hits = decode.wait_idle()["ferrylm:prefix_cache_hits_total"] - hits0
     assert len(ids) % 16 and hits == len(ids) // 16 * 16  # every full block came from the cache: none recomputed
+
+
+
+def _voluntary_switches(pid: int) -> int:
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
+                         if line.startswith("voluntary_ctxt_switches"))
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_after_a_transfer_decode_steps_do_not_sleep_between_parallel_regions(replicas):
+    """The load, the export and the import leave no second OpenMP pool in either server (each would
+    stop libgomp spinning: hundreds of sleeps and wake-ups per decode step, short_lived_thread.py)."""
+    prefill, decode = replicas
+    ids = httpx.post(prefill.url("/tokenize"), json={"model": MODEL, "messages": MESSAGES}, timeout=30,
+                     headers=prefill.headers()).json()["tokens"]
+    httpx.post(prefill.url("/v1/completions"), timeout=60, headers=prefill.headers(),
+               json={"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0}).raise_for_status()
+    body = httpx.post(prefill.url("/v1/kv/export"), json={"prompt_token_ids": ids}, timeout=60, headers=KV)
+    httpx.post(decode.url("/v1/kv/import"), content=body.content, timeout=60, headers=KV).raise_for_status()
+    for server in (prefill, decode):
+        server.wait_idle()
+        before = _voluntary_switches(server.proc.pid)
+        done = httpx.post(server.url("/v1/completions"), timeout=120, headers=server.headers(),
+                          json={"model": MODEL, "prompt": "Tides", "max_tokens": 64, "ignore_eos": True,
+                                "temperature": 0}).json()
+        per_token = (_voluntary_switches(server.proc.pid) - before) / done["usage"]["completion_tokens"]
+        assert per_token < 40, per_token  # one team: a few (the event loop's wake-ups); two: hundreds
 
 
 def test_only_the_transfer_credential_opens_the_kv_routes(replicas):
