@@ -29,6 +29,7 @@ CASE = r"""
 import asyncio, concurrent.futures, json, os, sys, threading, time
 from ferrylm import LLM, SamplingParams
 from ferrylm.engine.short_lived_thread import run_in_short_lived_thread
+from tests.proc_switches import voluntary_switches
 
 case, rows, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 build = lambda: LLM("smollm2-135m", max_num_seqs=16, seed=0, enable_prefix_caching=False)
@@ -38,12 +39,6 @@ if case == "pooled":
 else:
     llm = asyncio.run(run_in_short_lived_thread(build))
 
-def switches():
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            total += sum(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt_switches"))
-    return total
 
 result = {}
 def engine():
@@ -52,9 +47,9 @@ def engine():
     llm.generate(prompts[:1], [SamplingParams(max_tokens=4)], use_tqdm=False)  # starts the background compile
     llm.engine.executor.wait_compiled()
     llm.generate(prompts, [params] * rows, use_tqdm=False)  # warm-up on the compiled step
-    before, start = switches(), time.perf_counter()
+    before, start = voluntary_switches(), time.perf_counter()
     llm.generate(prompts, [params] * rows, use_tqdm=False)
-    result.update(ms=(time.perf_counter() - start) * 1e3 / tokens, switches=(switches() - before) / tokens)
+    result.update(ms=(time.perf_counter() - start) * 1e3 / tokens, switches=(voluntary_switches() - before) / tokens)
 t = threading.Thread(target=engine)
 t.start()
 t.join()

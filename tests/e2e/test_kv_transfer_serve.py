@@ -7,7 +7,6 @@ transfer credential (a client's API key gets 403, no key 401)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from ferrylm import SamplingParams
 from tests.conftest import requires_smollm2
 from tests.e2e.server_process import ServerProcess
+from tests.proc_switches import voluntary_switches
 
 pytestmark = requires_smollm2
 MODEL = "smollm2-135m"
@@ -62,17 +62,6 @@ def test_decode_replica_continues_from_the_prefill_replicas_blocks(replicas, llm
 
 
 
-def _voluntary_switches(pid: int) -> int:
-    total = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        try:
-            total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
-                         if line.startswith("voluntary_ctxt_switches"))
-        except OSError:
-            continue  # a thread that ended meanwhile
-    return total
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_after_a_transfer_decode_steps_do_not_sleep_between_parallel_regions(replicas):
     """The load, the export and the import leave no second OpenMP pool in either server (each would
@@ -86,11 +75,11 @@ def test_after_a_transfer_decode_steps_do_not_sleep_between_parallel_regions(rep
     httpx.post(decode.url("/v1/kv/import"), content=body.content, timeout=60, headers=KV).raise_for_status()
     for server in (prefill, decode):
         server.wait_idle()
-        before = _voluntary_switches(server.proc.pid)
+        before = voluntary_switches(server.proc.pid)
         done = httpx.post(server.url("/v1/completions"), timeout=120, headers=server.headers(),
                           json={"model": MODEL, "prompt": "Tides", "max_tokens": 64, "ignore_eos": True,
                                 "temperature": 0}).json()
-        per_token = (_voluntary_switches(server.proc.pid) - before) / done["usage"]["completion_tokens"]
+        per_token = (voluntary_switches(server.proc.pid) - before) / done["usage"]["completion_tokens"]
         assert per_token < 40, per_token  # one team: a few (the event loop's wake-ups); two: hundreds
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ SCRIPT = r"""
 import asyncio, concurrent.futures, json, os, sys, threading
 import torch
 from ferrylm.engine.short_lived_thread import run_in_short_lived_thread
+from tests.proc_switches import voluntary_switches
 
 torch.set_num_threads(os.cpu_count())
 x, w = torch.randn(8, 1024), torch.randn(1024, 1024)
@@ -29,21 +31,15 @@ else:  # like asyncio.to_thread's pooled worker: alive afterwards
     pool = concurrent.futures.ThreadPoolExecutor(1)
     pool.submit(load).result()
 
-def switches():
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            total += sum(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt_switches"))
-    return total
 
 result = {}
 def steps():
     for _ in range(20):
         x @ w
-    before = switches()
+    before = voluntary_switches()
     for _ in range(2000):
         x @ w
-    result["per_op"] = (switches() - before) / 2000
+    result["per_op"] = (voluntary_switches() - before) / 2000
 t = threading.Thread(target=steps)
 t.start()
 t.join()
@@ -52,7 +48,8 @@ print(json.dumps({"per_op": result["per_op"], "gomp": any("libgomp" in l for l i
 
 
 def _switches_per_op(case: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, case], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, case], capture_output=True, text=True, timeout=300, check=True,
+                         cwd=Path(__file__).resolve().parents[2])  # the repository: tests.proc_switches
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
