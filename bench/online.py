@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ class Summary:
     ttft: list[float]  # p50, p90, p99 (seconds)
     itl: list[float]
     e2e: list[float]
+    errors: dict[str, int] = field(default_factory=dict)  # each failure's reason (status and body, or exception)
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -150,9 +152,10 @@ def summarize(scenario: str, load: float, results: list[RequestResult], seconds:
 
     good = [r for r in ok if r.ttft < slo_ttft and (not r.itls or float(np.mean(r.itls)) < slo_itl)]
     tokens = sum(r.output_tokens for r in ok)
+    errors = Counter(r.error for r in results if not r.ok)
     return Summary(scenario, load, len(ok), len(results) - len(ok), seconds, len(ok) / seconds, tokens / seconds,
                    len(good) / seconds, pct([r.ttft for r in ok]), pct([x for r in ok for x in r.itls]),
-                   pct([r.e2e for r in ok]))
+                   pct([r.e2e for r in ok]), dict(errors))
 
 
 # -- the server and the offline baseline -----------------------------------------------------
@@ -210,6 +213,9 @@ def print_table(rows: list[Summary]) -> None:
         load = "inf" if s.load == float("inf") else f"{s.load:g}"
         print(f"{s.scenario:<12}{load:>6}{s.completed:>5}{s.failed:>5}{s.req_per_s:>7.2f}{s.output_tok_per_s:>10.1f}"
               f"{s.goodput:>8.2f} {ms(s.ttft):>24} {ms(s.itl):>22} {sec:>21}")
+    for s in rows:
+        for reason, count in s.errors.items():
+            print(f"  failed in {s.scenario} {s.load:g}: {count} x {reason}")
 
 
 def plot(rows: list[Summary], path: Path) -> bool:
