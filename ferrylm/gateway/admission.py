@@ -124,18 +124,21 @@ class AdmissionController:
 
     def projected_wait_s(self, load: LoadReport, drain_rate: float | None, mean_completion: float,
                          output_fraction: float | None = None, decode_rate: float | None = None) -> float | None:
-        """Work ahead of a new request / the rate it drains. With the engine's output budgets, the
-        queued output is their max_tokens x the fraction requests really use (all of it for
-        ignore_eos, at least min_tokens), and when the batch is
-        full (or KV is short) the new request also waits for running requests to finish: the share
-        of their remaining output that frees the slots the queue ahead of it needs."""
+        """Work ahead of a new request / the rate it drains. With the engine's output budgets: while
+        the batch has a slot for every queued request and this one (and KV is not short), only the
+        queue's prompts are ahead of it; their output is generated beside its own, not before it.
+        When the batch is full, the queue's output is ahead too (their max_tokens x the fraction
+        requests really use; all of it for ignore_eos, at least min_tokens), plus the share of the
+        running requests' remaining output that frees the slots the queue ahead of it needs."""
         if output_fraction is not None:
             def expected(total: int, certain: int) -> float:
                 return certain + output_fraction * max(0, total - certain)
 
-            output = expected(load.num_waiting_output_tokens, load.num_waiting_certain_output_tokens)
             full = (load.max_num_seqs is not None and load.num_running + load.num_waiting >= load.max_num_seqs) \
                 or load.kv_cache_usage >= self.config.kv_watermark
+            output = 0.0
+            if full:
+                output = expected(load.num_waiting_output_tokens, load.num_waiting_certain_output_tokens)
             if full and load.num_running and load.num_running_output_tokens:
                 share = min(1.0, (load.num_waiting + 1) / load.num_running)
                 output += expected(load.num_running_output_tokens, load.num_running_certain_output_tokens) * share

@@ -129,13 +129,14 @@ def test_gateway_sheds_before_any_engine_work(make_gateway, store, clock):
 def test_output_budgets_follow_the_max_tokens_of_the_queue(controller):
     """With the engine's output budgets the projection does not depend on what earlier requests
     looked like: after a run of 1-token requests (mean completion 1), eight queued 48-token
-    requests still count as 8 x 48 x the used fraction."""
+    requests in a full batch still count as 8 x 48 x the used fraction (and the 2 running ones' 30
+    each, whose slots the queue needs)."""
     load = report(num_waiting=8, num_running=2, num_waiting_prompt_tokens=800, kv=0.1,
-                  num_waiting_output_tokens=8 * 48, num_running_output_tokens=2 * 30, max_num_seqs=64)
+                  num_waiting_output_tokens=8 * 48, num_running_output_tokens=2 * 30, max_num_seqs=10)
     d = controller.decide(load, "standard", drain_rate=100.0, mean_completion=1.0, output_fraction=1.0)
-    assert d.projected_wait_s == pytest.approx((800 + 384) / 100)
+    assert d.projected_wait_s == pytest.approx((800 + 384 + 60) / 100)
     half = controller.decide(load, "standard", drain_rate=100.0, mean_completion=1.0, output_fraction=0.5)
-    assert half.projected_wait_s == pytest.approx((800 + 192) / 100)
+    assert half.projected_wait_s == pytest.approx((800 + 192 + 30) / 100)
 
 
 def test_a_full_batch_adds_the_running_work_that_frees_the_needed_slots(controller):
@@ -145,8 +146,23 @@ def test_a_full_batch_adds_the_running_work_that_frees_the_needed_slots(controll
                   num_waiting_output_tokens=2 * 48, num_running_output_tokens=8 * 40, max_num_seqs=8)
     d = controller.decide(load, "standard", drain_rate=100.0, mean_completion=128, output_fraction=1.0)
     assert d.projected_wait_s == pytest.approx((100 + 96 + 320 * 3 / 8) / 100)
-    roomy = dataclasses.replace(load, max_num_seqs=64)
-    assert controller.decide(roomy, "standard", 100.0, 128, 1.0).projected_wait_s == pytest.approx(196 / 100)
+    roomy = dataclasses.replace(load, max_num_seqs=64)  # slots for all: only the queue's prompts are ahead
+    assert controller.decide(roomy, "standard", 100.0, 128, 1.0).projected_wait_s == pytest.approx(100 / 100)
+
+
+def test_a_burst_the_batch_has_room_for_waits_for_its_prompts_only(controller):
+    """32 requests arrive at once at a server with 64 slots (bench/online.py's concurrency 32): the
+    new one starts once the 32 prompts ahead of it are prefilled; their 32 x 32 output tokens are
+    generated beside its own. Counting that output at a decode rate learned from one stream had
+    projected 12 s and shed requests that finished in ~2.5 s."""
+    load = report(num_waiting=32, num_running=0, num_waiting_prompt_tokens=32 * 128, kv=0.1,
+                  num_waiting_output_tokens=32 * 32, num_waiting_certain_output_tokens=32 * 32, max_num_seqs=64)
+    d = controller.decide(load, "standard", drain_rate=2000.0, mean_completion=128, output_fraction=1.0,
+                          decode_rate=100.0)
+    assert d.admitted and d.projected_wait_s == pytest.approx(4096 / 2000)
+    full = dataclasses.replace(load, max_num_seqs=32)  # no slot left: the queue's output is ahead too
+    assert controller.decide(full, "standard", 2000.0, 128, 1.0, 100.0).projected_wait_s == \
+        pytest.approx(4096 / 2000 + 1024 / 100)
 
 
 def test_tracker_learns_the_used_fraction_of_max_tokens():
@@ -174,10 +190,10 @@ def test_ignore_eos_and_min_tokens_output_is_counted_in_full(controller):
 
 
 def test_output_drains_at_the_decode_rate(controller):
-    """Prompt tokens prefill ~10x faster than output decodes: a queue of 48-token answers is
-    projected at the decode pace, not at the mixed rate a prefill-heavy past would suggest."""
+    """Prompt tokens prefill ~10x faster than output decodes: in a full batch, a queue of 48-token
+    answers is projected at the decode pace, not at the mixed rate a prefill-heavy past would suggest."""
     load = report(num_waiting=20, num_running=8, num_waiting_prompt_tokens=600, kv=0.2,
-                  num_waiting_output_tokens=20 * 48, num_running_output_tokens=0, max_num_seqs=64,
+                  num_waiting_output_tokens=20 * 48, num_running_output_tokens=0, max_num_seqs=28,
                   num_waiting_certain_output_tokens=20 * 48)
     d = controller.decide(load, "batch", drain_rate=2000.0, mean_completion=128, output_fraction=1.0,
                           decode_rate=100.0)
