@@ -22,7 +22,7 @@ from ferrylm.engine.adapters import LoRAInfo
 from ferrylm.engine.client import EngineDeadError, ModelInfo
 from ferrylm.engine.engine import Engine
 from ferrylm.engine.scheduler import RequestRejected
-from ferrylm.engine.short_lived_thread import run_in_short_lived_thread
+from ferrylm.engine.short_lived_thread import run_in_short_lived_thread, settle_threadsafe
 from ferrylm.kv_transfer import KVBlocks
 from ferrylm.load_report import LoadReport
 from ferrylm.outputs import RequestOutput, RequestOutputKind
@@ -49,17 +49,6 @@ class _Call(NamedTuple):
     work: Callable[[], Any]
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None,
-             result: Any = None) -> None:
-    """Complete `future` from the engine thread (it may have been cancelled meanwhile)."""
-
-    def done() -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    loop.call_soon_threadsafe(done)
 
 
 class AsyncEngine:
@@ -269,7 +258,7 @@ class AsyncEngine:
                     self._commands.remove(command)
                 except ValueError:
                     continue  # the other side took it
-                _resolve(command.loop, command.done, error)
+                settle_threadsafe(command.loop, command.done, error)
 
     async def prepare_structured_output(self, spec: StructuredOutputsParams) -> None:
         """Wait for the constraint's grammar (compiled on the compiler's worker thread, cached, so the
@@ -319,18 +308,18 @@ class AsyncEngine:
                 try:
                     result = command.work()
                 except Exception as e:  # noqa: BLE001 - the caller's error (a bad import, a busy adapter)
-                    _resolve(command.loop, command.done, e)
+                    settle_threadsafe(command.loop, command.done, e)
                 else:
-                    _resolve(command.loop, command.done, None, result)
+                    settle_threadsafe(command.loop, command.done, None, result)
                 continue
             self._count_pending(command, -1)
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
                                         output_kind=command.output_kind, lora_name=command.lora_name)
             except Exception as e:  # noqa: BLE001 - a rejection belongs to the caller, not the loop
-                _resolve(command.loop, command.admitted, e)
+                settle_threadsafe(command.loop, command.admitted, e)
             else:
-                _resolve(command.loop, command.admitted, None)
+                settle_threadsafe(command.loop, command.admitted, None)
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -358,9 +347,9 @@ class AsyncEngine:
             while self._commands:
                 command = self._commands.popleft()
                 if isinstance(command, _Add):
-                    _resolve(command.loop, command.admitted, EngineDeadError(f"engine loop died: {e!r}"))
+                    settle_threadsafe(command.loop, command.admitted, EngineDeadError(f"engine loop died: {e!r}"))
                 elif isinstance(command, _Call):
-                    _resolve(command.loop, command.done, EngineDeadError(f"engine loop died: {e!r}"))
+                    settle_threadsafe(command.loop, command.done, EngineDeadError(f"engine loop died: {e!r}"))
         finally:
             self._loop_ended = True
             self._fail_calls()

@@ -8,7 +8,7 @@ threads instead. A decode step runs hundreds of regions, so one load or KV copy 
 on a 2-CPU machine a small matmul took 35% longer with ~4 context switches each, and each of those
 wake-ups waited for whatever else held the CPU (a grammar compile, another tenant's request
 handling). A thread that exits frees its pool, so the engine thread stays the only one with a team
-(bench/RESULTS.md, "M3.2 hostile tenant: one OpenMP team").
+(bench/RESULTS.md, "M3.2 hostile tenant: one OpenMP team per server process").
 """
 
 from __future__ import annotations
@@ -21,22 +21,29 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def settle_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None,
+                      result: Any = None) -> None:
+    """Complete `future` (of `loop`) from another thread; one cancelled meanwhile is left alone."""
+
+    def done() -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    loop.call_soon_threadsafe(done)
+
+
 async def run_in_short_lived_thread(work: Callable[[], T], name: str = "ferrylm-torch-work") -> T:
     """`work()` on a new thread that exits when it returns; its result or exception here."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
 
-    def settle(error: BaseException | None, result: Any) -> None:
-        if not done.done():
-            done.set_exception(error) if error is not None else done.set_result(result)
-
     def run() -> None:
         try:
             result = work()
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
-            loop.call_soon_threadsafe(settle, e, None)
+            settle_threadsafe(loop, done, e)
         else:
-            loop.call_soon_threadsafe(settle, None, result)
+            settle_threadsafe(loop, done, None, result)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return await done

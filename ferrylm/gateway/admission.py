@@ -139,9 +139,9 @@ class AdmissionController:
             output = 0.0
             if full:
                 output = expected(load.num_waiting_output_tokens, load.num_waiting_certain_output_tokens)
-            if full and load.num_running and load.num_running_output_tokens:
-                share = min(1.0, (load.num_waiting + 1) / load.num_running)
-                output += expected(load.num_running_output_tokens, load.num_running_certain_output_tokens) * share
+                if load.num_running and load.num_running_output_tokens:
+                    share = min(1.0, (load.num_waiting + 1) / load.num_running)
+                    output += expected(load.num_running_output_tokens, load.num_running_certain_output_tokens) * share
             if drain_rate and decode_rate:  # output drains at the decode pace, prompts at the overall one
                 return load.num_waiting_prompt_tokens / drain_rate + output / decode_rate
             backlog = load.num_waiting_prompt_tokens + output

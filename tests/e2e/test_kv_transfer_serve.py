@@ -39,15 +39,20 @@ def replicas():
         assert prefill.stop() == 0 and decode.stop() == 0
 
 
-def test_decode_replica_continues_from_the_prefill_replicas_blocks(replicas, llm_fp32):
-    prefill, decode = replicas
+def _prefill_and_export(prefill: ServerProcess) -> tuple[list[int], httpx.Response]:
+    """MESSAGES' prompt ids, prefilled on `prefill`, and its export of their cached blocks."""
     ids = httpx.post(prefill.url("/tokenize"), json={"model": MODEL, "messages": MESSAGES}, timeout=30,
                      headers=prefill.headers()).json()["tokens"]
-    assert len(ids) >= 48
     done = httpx.post(prefill.url("/v1/completions"), timeout=60, headers=prefill.headers(),
                       json={"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0})
     assert done.status_code == 200
-    body = httpx.post(prefill.url("/v1/kv/export"), json={"prompt_token_ids": ids}, timeout=60, headers=KV)
+    return ids, httpx.post(prefill.url("/v1/kv/export"), json={"prompt_token_ids": ids}, timeout=60, headers=KV)
+
+
+def test_decode_replica_continues_from_the_prefill_replicas_blocks(replicas, llm_fp32):
+    prefill, decode = replicas
+    ids, body = _prefill_and_export(prefill)
+    assert len(ids) >= 48
     assert body.status_code == 200 and body.headers["content-type"] == "application/octet-stream"
     hits0 = decode.wait_idle()["ferrylm:prefix_cache_hits_total"]
     imported = httpx.post(decode.url("/v1/kv/import"), content=body.content, timeout=60, headers=KV).json()
@@ -61,17 +66,13 @@ def test_decode_replica_continues_from_the_prefill_replicas_blocks(replicas, llm
     assert len(ids) % 16 and hits == len(ids) // 16 * 16  # every full block came from the cache: none recomputed
 
 
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_after_a_transfer_decode_steps_do_not_sleep_between_parallel_regions(replicas):
     """The load, the export and the import leave no second OpenMP pool in either server (each would
     stop libgomp spinning: hundreds of sleeps and wake-ups per decode step, short_lived_thread.py)."""
     prefill, decode = replicas
-    ids = httpx.post(prefill.url("/tokenize"), json={"model": MODEL, "messages": MESSAGES}, timeout=30,
-                     headers=prefill.headers()).json()["tokens"]
-    httpx.post(prefill.url("/v1/completions"), timeout=60, headers=prefill.headers(),
-               json={"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0}).raise_for_status()
-    body = httpx.post(prefill.url("/v1/kv/export"), json={"prompt_token_ids": ids}, timeout=60, headers=KV)
+    _, body = _prefill_and_export(prefill)
+    body.raise_for_status()
     httpx.post(decode.url("/v1/kv/import"), content=body.content, timeout=60, headers=KV).raise_for_status()
     for server in (prefill, decode):
         server.wait_idle()

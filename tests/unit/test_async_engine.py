@@ -4,6 +4,7 @@ and a crashing loop, with check_invariants() after every operation."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -171,8 +172,6 @@ def test_engine_work_runs_on_the_loop_thread_and_fails_cleanly_once_it_ended():
     """KV transfer and adapter work (_between_steps) runs on the loop thread, the one thread with an
     OpenMP team (short_lived_thread.py); its errors reach the caller, the loop keeps going, and a
     call after the loop ended fails instead of waiting forever."""
-    import threading
-
     ae = AsyncEngine(FakeEngine(), idle_wait_s=0.01)
 
     async def run():
